@@ -1,0 +1,194 @@
+"""The three-step resolver: selected positions → device locations (pure, vectorised over the batch).
+
+This module is the specification that the header-only C++/CUDA port in ``plugins/`` must reproduce
+bit for bit (locations, LRU state and copy list). It holds no state: the caller passes the batched
+state of one KV source (one hot cache per request) and gets back the new state.
+
+Inputs, for ``R`` requests of one KV source
+--------------------------------------------
+``positions``  ``[R, N]`` int64. The selected token positions of request ``r`` (the selections of all of
+               its queries in this step, concatenated); ``-1`` marks an unused entry. Duplicates are
+               allowed and are resolved once (shared missing-row retrieval: each missing row is copied
+               once). Valid positions are ``>= 0``; the caller guarantees they are below the request's
+               history length and that every one of them is direct, in the hot cache, or on the host.
+``page_table`` ``[R, M]`` int64. ``page_table[r, i]`` is the device arena page holding rows
+               ``i*page_rows .. (i+1)*page_rows-1`` of request ``r`` (the tail or a ready optional page),
+               or ``-1``. A position whose page index is ``>= M`` is not direct.
+``hot_pos``    ``[R, B]`` int64. Position held by each hot-cache slot, ``-1`` = empty. A position occupies
+               at most one slot of a row.
+``hot_stamp``  ``[R, B]`` int64, ``>= 0``. Stamp of the slot's last use (ignored for empty slots).
+``hot_loc``    ``[R, B]`` int64. Device arena row of each slot (fixed for the life of the cache).
+``stamp``      int, the current step's stamp; larger than every stamp in ``hot_stamp``.
+``page_rows``  int, rows per page ``P``.
+
+Semantics, for each request ``r`` independently (``U`` = the distinct valid positions of row ``r``)
+---------------------------------------------------------------------------------------------------
+1. **Direct**: ``p`` in ``U`` with ``page_table[r, p // P] >= 0`` resolves to
+   ``page_table[r, p // P] * P + p % P``. The hot cache is not touched for such rows, even if a slot
+   happens to hold ``p`` as well.
+2. **Hot**: the remaining ``p`` with a slot ``j`` where ``hot_pos[r, j] == p`` resolve to
+   ``hot_loc[r, j]``; ``hot_stamp[r, j]`` becomes ``stamp``. The scan is over the ``B`` slots only.
+3. **Host copy**: the remaining positions (the misses), in ascending position order ``m_0 < m_1 < ...``,
+   are assigned victim slots in *eviction order*: among the slots **not hit in step 2** (a slot the
+   current step needs is never evicted), empty slots first, then occupied slots by ascending
+   ``hot_stamp``; ties by ascending slot index. Miss ``m_k`` takes the ``k``-th slot of that order:
+   ``hot_pos = m_k``, ``hot_stamp = stamp``, location ``hot_loc`` of that slot, and a copy-list entry
+   ``(r, m_k, slot, hot_loc[r, slot])``. More misses than candidate slots raises
+   :class:`HotCacheOverflowError` (the hot cache ``B`` is smaller than the step's selection).
+
+Every entry of ``positions`` equal to ``p`` receives ``p``'s location and step code. The copy list is
+ordered by request, then ascending position. The inputs are not modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STEP_UNUSED = 0
+STEP_DIRECT = 1
+STEP_HOT = 2
+STEP_HOST = 3
+
+_POS_SENTINEL = torch.iinfo(torch.int64).max
+
+
+class HotCacheOverflowError(ValueError):
+    """A request's step selects more missing rows than its hot cache has evictable slots."""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Result of :func:`resolve` for one KV source.
+
+    Attributes:
+        locations: ``[R, N]`` int64 device arena row of every entry of ``positions``; ``-1`` where unused.
+        steps: ``[R, N]`` int8 step code per entry: 0 unused, 1 direct, 2 hot, 3 host copy.
+        hot_pos: ``[R, B]`` int64 new slot positions.
+        hot_stamp: ``[R, B]`` int64 new slot stamps.
+        copy_request: ``[C]`` int64 request row of each row to copy from host.
+        copy_position: ``[C]`` int64 token position of each row to copy.
+        copy_slot: ``[C]`` int64 hot-cache slot it is copied into.
+        copy_location: ``[C]`` int64 device arena row it is copied into (``hot_loc`` of that slot).
+        counts: ``[R, 3]`` int64 distinct positions resolved at steps 1, 2 and 3 per request.
+    """
+
+    locations: torch.Tensor
+    steps: torch.Tensor
+    hot_pos: torch.Tensor
+    hot_stamp: torch.Tensor
+    copy_request: torch.Tensor
+    copy_position: torch.Tensor
+    copy_slot: torch.Tensor
+    copy_location: torch.Tensor
+    counts: torch.Tensor
+
+
+def resolve(
+    positions: torch.Tensor,
+    page_table: torch.Tensor,
+    hot_pos: torch.Tensor,
+    hot_stamp: torch.Tensor,
+    hot_loc: torch.Tensor,
+    stamp: int,
+    page_rows: int,
+) -> Resolution:
+    """Resolve the selected positions of ``R`` requests of one KV source (see the module docstring)."""
+    if positions.dim() != 2 or page_table.dim() != 2 or hot_pos.dim() != 2:
+        raise ValueError("positions, page_table and hot_pos must be 2-D [R, ...] tensors")
+    num_requests = positions.shape[0]
+    num_slots = hot_pos.shape[1]
+    num_pages = page_table.shape[1]
+    device = positions.device
+
+    # Sort each request's entries: duplicates become adjacent, misses come out in ascending order.
+    valid_in = positions >= 0
+    sorted_pos, perm = torch.sort(torch.where(valid_in, positions, _POS_SENTINEL), dim=1)
+    valid = sorted_pos != _POS_SENTINEL
+    previous = torch.cat([torch.full_like(sorted_pos[:, :1], -1), sorted_pos[:, :-1]], dim=1)
+    first = valid & (sorted_pos != previous)
+    safe_pos = torch.where(valid, sorted_pos, 0)
+
+    # Step 1: direct (tail or ready optional page).
+    page_index = safe_pos // page_rows
+    in_table = valid & (page_index < num_pages)
+    if num_pages > 0:
+        page = page_table.gather(1, page_index.clamp(max=num_pages - 1))
+        page = torch.where(in_table, page, -1)
+    else:
+        page = torch.full_like(safe_pos, -1)
+    direct = valid & (page >= 0)
+    direct_loc = page * page_rows + safe_pos % page_rows
+
+    # Step 2: hot cache, a search over the B slots (sorted copy + binary search).
+    if num_slots > 0:
+        hot_sorted, hot_order = torch.sort(hot_pos, dim=1)
+        probe = torch.searchsorted(hot_sorted, safe_pos.contiguous()).clamp(max=num_slots - 1)
+        found = hot_sorted.gather(1, probe) == safe_pos
+        hit_slot = hot_order.gather(1, probe)
+    else:
+        found = torch.zeros_like(valid)
+        hit_slot = torch.zeros_like(safe_pos)
+    hot = valid & ~direct & found
+    miss = valid & ~direct & ~found
+
+    # Slots hit this step (extra column num_slots swallows the writes of non-hit entries).
+    hit_mask = torch.zeros(num_requests, num_slots + 1, dtype=torch.bool, device=device)
+    hit_mask.scatter_(1, torch.where(hot, hit_slot, num_slots), True)
+    hit_mask = hit_mask[:, :num_slots]
+
+    # Step 3: eviction order = not hit; empty first, then ascending stamp; ties by slot index (stable sort).
+    miss_first = miss & first
+    num_miss = miss_first.sum(dim=1)
+    num_candidates = (~hit_mask).sum(dim=1)
+    overflow = num_miss > num_candidates
+    if bool(overflow.any()):
+        r = int(torch.nonzero(overflow)[0, 0])
+        raise HotCacheOverflowError(
+            f"request row {r} misses {int(num_miss[r])} rows but its hot cache has only "
+            f"{int(num_candidates[r])} evictable of {num_slots} slots; raise hot_rows (B) to at least "
+            "the number of distinct rows one step can select"
+        )
+    key_max = torch.iinfo(torch.int64).max
+    evict_key = torch.where(hot_pos < 0, torch.full_like(hot_stamp, -1), hot_stamp)
+    evict_key = torch.where(hit_mask, torch.full_like(evict_key, key_max), evict_key)
+    evict_order = torch.sort(evict_key, dim=1, stable=True).indices
+    miss_rank = torch.cumsum(miss_first.to(torch.int64), dim=1) - 1
+    if num_slots > 0:
+        victim = evict_order.gather(1, miss_rank.clamp(min=0, max=num_slots - 1))
+    else:
+        victim = torch.zeros_like(safe_pos)
+
+    # Locations in sorted order, then back to the caller's order.
+    slot = torch.where(hot, hit_slot, victim)
+    slot_loc = hot_loc.gather(1, slot) if num_slots > 0 else torch.full_like(safe_pos, -1)
+    loc_sorted = torch.where(direct, direct_loc, torch.where(valid, slot_loc, -1))
+    step_sorted = torch.where(
+        direct, STEP_DIRECT, torch.where(hot, STEP_HOT, torch.where(miss, STEP_HOST, STEP_UNUSED))
+    ).to(torch.int8)
+    locations = torch.empty_like(loc_sorted).scatter_(1, perm, loc_sorted)
+    steps = torch.empty_like(step_sorted).scatter_(1, perm, step_sorted)
+
+    # New LRU state: hit slots and victim slots take the current stamp; victims take their miss.
+    touched = torch.where(hot | miss_first, slot, num_slots)
+    new_stamp = torch.cat([hot_stamp, hot_stamp[:, :1]], dim=1).scatter(
+        1, touched, torch.full_like(touched, int(stamp))
+    )[:, :num_slots]
+    placed = torch.where(miss_first, victim, num_slots)
+    new_pos = torch.cat([hot_pos, hot_pos[:, :1]], dim=1).scatter(1, placed, sorted_pos)[:, :num_slots]
+
+    copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
+    copy_slot = victim[copy_rows, copy_cols]
+    counts = torch.stack([(direct & first).sum(1), (hot & first).sum(1), num_miss], dim=1)
+    return Resolution(
+        locations=locations,
+        steps=steps,
+        hot_pos=new_pos,
+        hot_stamp=new_stamp,
+        copy_request=copy_rows,
+        copy_position=sorted_pos[copy_rows, copy_cols],
+        copy_slot=copy_slot,
+        copy_location=hot_loc[copy_rows, copy_slot] if num_slots > 0 else copy_slot,
+        counts=counts,
+    )
