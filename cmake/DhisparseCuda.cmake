@@ -1,0 +1,18 @@
+# Enables CUDA when nvcc is usable (no GPU or driver is needed to compile). Sets DHS_HAVE_CUDA.
+set(DHS_HAVE_CUDA OFF)
+if(DHS_ENABLE_CUDA)
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    set(CMAKE_CUDA_VISIBILITY_PRESET hidden)
+    # Static cudart: the libraries load on machines without libcudart.so (and without a GPU).
+    set(CMAKE_CUDA_RUNTIME_LIBRARY Static)
+    set(DHS_HAVE_CUDA ON)
+  else()
+    message(STATUS "dhisparse: nvcc not found, CUDA kernels and TensorRT plugins are skipped")
+  endif()
+endif()

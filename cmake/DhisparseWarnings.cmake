@@ -1,0 +1,16 @@
+# dhs_target_warnings(<target>): strict warnings for C++ and CUDA sources of a target (errors by default).
+function(dhs_target_warnings target)
+  set(cxx_flags -Wall -Wextra -Wshadow -Wconversion -Wno-sign-conversion)
+  if(DHS_WARNINGS_AS_ERRORS)
+    list(APPEND cxx_flags -Werror)
+  endif()
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${cxx_flags}>)
+  if(DHS_HAVE_CUDA)
+    # nvcc: its own warnings, plus the host compiler's for the host half of .cu files.
+    set(cuda_flags -Xcompiler=-Wall,-Wextra)
+    if(DHS_WARNINGS_AS_ERRORS)
+      list(APPEND cuda_flags -Werror=all-warnings -Xcompiler=-Werror)
+    endif()
+    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${cuda_flags}>)
+  endif()
+endfunction()
