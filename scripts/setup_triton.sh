@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Make the real Triton Inference Server and perf_analyzer usable on a CPU-only machine.
+#
+# Idempotent; run it with the project's virtualenv active (or VIRTUAL_ENV pointing at it):
+#   . .venv/bin/activate && scripts/setup_triton.sh
+#
+# What it does (recipe measured in ENVIRONMENT.md):
+#   1. installs nvidia-pytriton==0.7.0 (bundles tritonserver 2.51 + the Python backend), numpy<2 and
+#      tritonclient[grpc,http] into the active venv;
+#   2. checks that the shared libpython3.11 the 3.11 backend stub links against is present
+#      (installs Debian's libpython3.11 when running as root with apt-get available);
+#   3. downloads the tritonclient==2.51.0 manylinux1 wheel into .tools/wheels/, extracts the real
+#      perf_analyzer binary to .tools/perf_analyzer/bin/, symlinks libb64.so.0d and libcudart.so.12
+#      from nvidia_pytriton.libs into .tools/perf_analyzer/lib/, and writes the wrapper
+#      .tools/bin/perf_analyzer that sets LD_LIBRARY_PATH;
+#   4. smoke-checks both binaries.
+# The Triton backend directory itself is assembled by `dhisparse-serve` at every start.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="$ROOT/.tools"
+PY="${VIRTUAL_ENV:+$VIRTUAL_ENV/bin/}python"
+if [[ -z "${VIRTUAL_ENV:-}" && -x "$ROOT/.venv/bin/python" ]]; then
+    PY="$ROOT/.venv/bin/python"
+fi
+echo "[setup_triton] python: $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+
+# 1. Python packages (pip is a no-op when they are already satisfied).
+"$PY" -m pip install --quiet "nvidia-pytriton==0.7.0" "numpy<2" "tritonclient[grpc,http]>=2.51"
+
+SITE="$("$PY" -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parents[1])')"
+LIBS="$SITE/nvidia_pytriton.libs"
+TRITON="$SITE/pytriton/tritonserver"
+for f in "$TRITON/bin/tritonserver" "$TRITON/backends/python/libtriton_python.so" \
+         "$TRITON/python_backend_stubs/3.11/triton_python_backend_stub"; do
+    [[ -e "$f" ]] || { echo "[setup_triton] missing $f (broken nvidia-pytriton install?)" >&2; exit 1; }
+done
+
+# 2. The 3.11 stub needs a shared libpython3.11.
+if ! ldconfig -p | grep -q 'libpython3\.11\.so\.1\.0'; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+        apt-get install -y --no-install-recommends libpython3.11 >/dev/null
+    else
+        echo "[setup_triton] libpython3.11.so.1.0 not found: install Debian's libpython3.11" >&2
+        exit 1
+    fi
+fi
+
+# 3. perf_analyzer 2.51 from the tritonclient manylinux1 wheel.
+PA_DIR="$TOOLS/perf_analyzer"
+if [[ ! -x "$PA_DIR/bin/perf_analyzer" ]]; then
+    mkdir -p "$TOOLS/wheels" "$PA_DIR/bin"
+    WHEEL="$TOOLS/wheels/tritonclient-2.51.0-py3-none-manylinux1_x86_64.whl"
+    if [[ ! -f "$WHEEL" ]]; then
+        "$PY" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux1_x86_64 \
+            tritonclient==2.51.0 -d "$TOOLS/wheels"
+    fi
+    "$PY" - "$WHEEL" "$PA_DIR/bin/perf_analyzer" <<'EOF'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as wheel, wheel.open("tritonclient-2.51.0.data/data/bin/perf_analyzer") as src:
+    with open(sys.argv[2], "wb") as dst:
+        shutil.copyfileobj(src, dst)
+EOF
+    chmod +x "$PA_DIR/bin/perf_analyzer"
+fi
+mkdir -p "$PA_DIR/lib" "$TOOLS/bin"
+ln -sf "$(ls "$LIBS"/libb64-*.so.0d | head -n1)" "$PA_DIR/lib/libb64.so.0d"
+ln -sf "$(ls "$LIBS"/libcudart-*.so.12* | head -n1)" "$PA_DIR/lib/libcudart.so.12"
+cat > "$TOOLS/bin/perf_analyzer" <<EOF
+#!/usr/bin/env bash
+export LD_LIBRARY_PATH="$PA_DIR/lib:$LIBS\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+exec "$PA_DIR/bin/perf_analyzer" "\$@"
+EOF
+chmod +x "$TOOLS/bin/perf_analyzer"
+
+# 4. Smoke checks: both binaries load their libraries (`--help` exits non-zero, so grep its text).
+HELP="$(LD_LIBRARY_PATH="$LIBS" "$TRITON/bin/tritonserver" --help 2>&1 || true)"
+grep -q 'Usage: tritonserver' <<<"$HELP" \
+    || { echo "[setup_triton] tritonserver does not start" >&2; exit 1; }
+VERSION="$("$TOOLS/bin/perf_analyzer" --version 2>&1 || true)"
+grep -q 'Perf Analyzer Version 2.51' <<<"$VERSION" \
+    || { echo "[setup_triton] perf_analyzer does not start" >&2; exit 1; }
+echo "[setup_triton] tritonserver: $TRITON/bin/tritonserver"
+echo "[setup_triton] perf_analyzer: $TOOLS/bin/perf_analyzer"

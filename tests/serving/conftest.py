@@ -1,0 +1,8 @@
+"""Serving tests: make the test helpers in this folder importable."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
