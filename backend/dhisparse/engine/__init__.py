@@ -1,0 +1,1 @@
+"""Engine: request lifecycle, continuous batching, sampling, the ``LLM`` API and the serving loop."""

@@ -1,0 +1,105 @@
+"""Reference KV store: every request's full history in its own dense tensors, no budget, no tiers.
+
+It implements the same manager interface as the hierarchical ``dhisparse.kv.KVManager`` and is the obviously
+correct baseline the tests compare every policy against. It loops over the requests of a batch (never over rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dhisparse.model.config import ModelConfig
+
+
+class _Store:
+    def __init__(self, cfg: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rows = torch.zeros(cfg.num_hidden_layers, capacity, cfg.row_dim, dtype=dtype, device=device)
+        self.keys = {i: torch.zeros(capacity, cfg.index_head_dim, dtype=dtype, device=device)
+                     for i in cfg.indexer_layers}
+        self.length = 0
+
+
+class DenseStepKV:
+    """``StepKV`` over the dense stores of a batch."""
+
+    def __init__(self, stores: list[_Store], query_len: int, device: torch.device) -> None:
+        self.stores, self.query_len = stores, query_len
+        self.lengths = torch.tensor([s.length + query_len for s in stores], dtype=torch.int64, device=device)
+        self._tmax = int(self.lengths.max())
+
+    def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        for b, s in enumerate(self.stores):
+            s.rows[layer, s.length:s.length + self.query_len] = rows[b]
+            if index_keys is not None:
+                s.keys[layer][s.length:s.length + self.query_len] = index_keys[b]
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        out = []
+        for s in self.stores:
+            k = s.keys[layer][: self._tmax]
+            if k.shape[0] < self._tmax:
+                k = torch.nn.functional.pad(k, (0, 0, 0, self._tmax - k.shape[0]))
+            out.append(k)
+        keys = torch.stack(out)
+        t = torch.arange(self._tmax, device=keys.device)
+        return keys.masked_fill((t.unsqueeze(0) >= self.lengths.unsqueeze(1)).unsqueeze(-1), 0)
+
+    def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        out = torch.stack([s.rows[layer][positions[b].clamp(min=0)] for b, s in enumerate(self.stores)])
+        return out.masked_fill((positions < 0).unsqueeze(-1), 0)
+
+
+class DenseKVManager:
+    """Unbounded reference manager: admits everything, stores everything densely."""
+
+    policy = "dense"
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_query_len: int = 1) -> None:
+        self.cfg, self.dtype, self.device, self.max_query_len = cfg, dtype, device, max_query_len
+        self.stores: dict[str, _Store] = {}
+        self._step: tuple[list[str], int] | None = None
+
+    def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
+        capacity = prompt_len + max_new_tokens + self.max_query_len
+        self.stores[request_id] = _Store(self.cfg, capacity, self.dtype, self.device)
+        return True
+
+    def import_prompt(self, request_id: str, rows: torch.Tensor, index_keys: dict[int, torch.Tensor]) -> None:
+        s = self.stores[request_id]
+        t = rows.shape[1]
+        s.rows[:, :t] = rows
+        for layer, k in index_keys.items():
+            s.keys[layer][:t] = k
+        s.length = t
+
+    def begin_step(self, request_ids: list[str], query_len: int) -> DenseStepKV:
+        self._step = (list(request_ids), query_len)
+        return DenseStepKV([self.stores[r] for r in request_ids], query_len, self.device)
+
+    def end_step(self, accepted: dict[str, int]) -> None:
+        assert self._step is not None
+        request_ids, query_len = self._step
+        for r in request_ids:
+            s = self.stores[r]
+            keep = accepted.get(r, query_len)
+            # Rows past the accepted ones are dead: zero them so no trace of rejected tokens stays behind.
+            s.rows[:, s.length + keep:s.length + query_len] = 0
+            for k in s.keys.values():
+                k[s.length + keep:s.length + query_len] = 0
+            s.length += keep
+        self._step = None
+
+    def release(self, request_id: str) -> None:
+        self.stores.pop(request_id, None)
+
+    def poll(self) -> None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_requests": float(len(self.stores))}
+
+    def request_stats(self, request_id: str) -> dict[str, float]:
+        return {}
+
+    def check_invariants(self) -> None:
+        return None

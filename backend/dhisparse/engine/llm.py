@@ -1,0 +1,100 @@
+"""The offline Python API, shaped like vLLM's: ``LLM(engine_dir).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.llm_engine import LLMEngine
+from dhisparse.engine.request import RequestOutput, RequestUpdate
+from dhisparse.engine.sampling import SamplingParams
+from dhisparse.errors import CheckpointError
+from dhisparse.model.model import DSAModel
+from dhisparse.model.weights import load_state_dict, read_config
+
+
+class LLM:
+    """Load an engine directory (built by ``dhisparse-build``) or a Hugging Face checkpoint directory.
+
+    ``runtime_overrides`` replace fields of the engine's ``runtime.json`` (see ``EngineConfig``), e.g.
+    ``kv_policy="hisparse"``, ``pool_bytes=…``, ``hot_rows=…``, ``page_rows=…``, ``reserve_bytes=…``.
+    """
+
+    def __init__(self, engine_dir: str | Path, **runtime_overrides: Any) -> None:
+        self.engine_dir = Path(engine_dir)
+        if not self.engine_dir.is_dir():
+            raise CheckpointError(f"{self.engine_dir}: engine directory not found")
+        self.config = EngineConfig.load(self.engine_dir / "runtime.json").with_overrides(**runtime_overrides)
+        model_cfg = read_config(self.engine_dir)
+        weights = load_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
+        import torch
+
+        model = DSAModel(model_cfg, weights, self.config.torch_dtype, torch.device(self.config.device))
+        self.engine = LLMEngine(model, self.config)
+
+    # ---------------------------------------------------------------------------------------- properties
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.cfg.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.engine.model.cfg.eos_token_id
+        return eos[0] if eos else None
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        path = self.engine_dir / "tokenizer.json"
+        return path if path.exists() else None
+
+    # ------------------------------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompt_token_ids)
+        if len(plist) != len(prompt_token_ids):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompt_token_ids)} prompts")
+        for p, sp in zip(prompt_token_ids, plist):
+            self.engine.validate([int(t) for t in p], sp)
+        ids = [self.engine.add_request(list(p), sp) for p, sp in zip(prompt_token_ids, plist)]
+        while any(self.engine.requests[i].finish_reason is None for i in ids):
+            self.engine.step()
+        outputs = []
+        for i in ids:
+            req = self.engine.pop_finished(i)
+            outputs.append(RequestOutput(i, req.prompt_token_ids, list(req.output_token_ids), req.finish_reason,
+                                         self.engine.request_stats(req)))
+        return outputs
+
+    def generate_stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+                        ) -> Iterator[RequestUpdate]:
+        """Yield this request's tokens as they are produced (drives the engine from the calling thread; other
+        queued requests progress alongside)."""
+        rid = self.engine.add_request(list(prompt_token_ids), params or SamplingParams())
+        try:
+            while True:
+                for update in self.engine.step():
+                    if update.request_id == rid:
+                        yield update
+                        if update.finished:
+                            self.engine.pop_finished(rid)
+                            return
+        finally:
+            if rid in self.engine.requests and self.engine.requests[rid].finish_reason is None:
+                self.engine.abort_request(rid)
+                self.engine.pop_finished(rid)
+
+    def stats(self) -> dict[str, float]:
+        """Engine-wide counters (requests, tokens, steps, and the KV hierarchy's statistics)."""
+        return self.engine.stats()

@@ -1,0 +1,207 @@
+"""The engine: request queue, continuous batching, prefill, batched decode, sampling, streaming updates."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+import zlib
+
+import torch
+
+from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.kv_factory import make_kv_manager
+from dhisparse.engine.request import Request, RequestUpdate, Status
+from dhisparse.engine.sampling import SamplingParams, sample, seed_to_int64
+from dhisparse.errors import InvalidRequestError
+from dhisparse.model.model import DSAModel
+
+
+class LLMEngine:
+    """Owns the model, the KV manager and every request. Not thread-safe: one thread calls ``step``
+    (``EngineLoop`` serialises access for servers).
+
+    Each ``step`` (1) admits waiting requests in arrival order while the KV manager accepts them and the batch
+    has room, prefilling each (chunked) and sampling its first token, then (2) runs one batched decode step
+    for every running request. A request that cannot be admitted stays queued; requests join and leave the
+    batch at step boundaries.
+    """
+
+    def __init__(self, model: DSAModel, cfg: EngineConfig) -> None:
+        self.model, self.cfg = model, cfg
+        mcfg = model.cfg
+        self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.max_new_tokens_limit = cfg.max_new_tokens_limit or self.max_model_len
+        self.eos_token_ids = set(mcfg.eos_token_id)
+        self.kv = make_kv_manager(mcfg, cfg)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ------------------------------------------------------------------------------------------- requests
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``InvalidRequestError`` with a clear message if the request can never be served."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        if len(prompt_token_ids) == 0:
+            raise InvalidRequestError("the prompt is empty: at least one token is required")
+        vocab = self.model.cfg.vocab_size
+        ids = torch.as_tensor(prompt_token_ids)
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise InvalidRequestError("prompt token ids must be integers")
+        if bool(((ids < 0) | (ids >= vocab)).any()):
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_token_ids)} tokens; the engine's maximum is {self.max_model_len - 1}"
+            )
+        if params.max_tokens > self.max_new_tokens_limit:
+            raise InvalidRequestError(
+                f"max_tokens {params.max_tokens} exceeds the engine limit of {self.max_new_tokens_limit}"
+            )
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"engine's max_model_len ({self.max_model_len})"
+            )
+        bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stop:
+            raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request (validated first); returns its id."""
+        prompt = [int(t) for t in prompt_token_ids]
+        self.validate(prompt, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
+        req = Request(request_id, prompt, params, seed_to_int64(seed))
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        self.counters["requests_added"] += 1
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free everything it holds. Returns False if unknown/finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        if req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+        self.counters["requests_aborted"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+    # ----------------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        self.kv.poll()
+        self._admit_and_prefill(updates)
+        if self.running:
+            self._decode(updates)
+        self.counters["steps"] += 1
+        return updates
+
+    def _admit_and_prefill(self, updates: list[RequestUpdate]) -> None:
+        prefilled = 0
+        while self.waiting and len(self.running) < self.cfg.max_batch_size:
+            req = self.waiting[0]
+            if prefilled and prefilled + req.prompt_len > self.cfg.max_prefill_tokens_per_step:
+                break
+            if not self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens):
+                if not req.counters.get("waited"):
+                    req.counters["waited"] = 1.0
+                    self.counters["admissions_waited"] += 1
+                break
+            self.waiting.popleft()
+            req.admitted_time = time.perf_counter()
+            req.status = Status.RUNNING
+            out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens)
+            self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
+            req.num_computed = req.prompt_len
+            prefilled += req.prompt_len
+            self.counters["prefill_tokens"] += req.prompt_len
+            self.running.append(req)
+            token = self._sample([req], out.logits.unsqueeze(0))[0]
+            self._append_tokens(req, [token], updates)
+
+    def _decode(self, updates: list[RequestUpdate]) -> None:
+        batch = self.running
+        dev = self.model.device
+        ids = torch.tensor([[r.last_token] for r in batch], dtype=torch.int64, device=dev)
+        positions = torch.tensor([[r.num_computed] for r in batch], dtype=torch.int64, device=dev)
+        step_kv = self.kv.begin_step([r.request_id for r in batch], 1)
+        out = self.model.forward(ids, positions, step_kv)
+        self.kv.end_step({r.request_id: 1 for r in batch})
+        tokens = self._sample(batch, out.logits[:, -1])
+        self.counters["decode_steps"] += 1
+        self.counters["decode_batch_rows"] += len(batch)
+        for req, token in zip(list(batch), tokens):
+            req.num_computed += 1
+            self._append_tokens(req, [token], updates)
+
+    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
+        dev = logits.device
+        temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=dev)
+        top_k = torch.tensor([r.params.top_k for r in batch], dtype=torch.int64, device=dev)
+        top_p = torch.tensor([r.params.top_p for r in batch], dtype=torch.float64, device=dev)
+        seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64, device=dev)
+        counters = torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=dev)
+        return sample(logits, temperature, top_k, top_p, seeds, counters).tolist()
+
+    def _append_tokens(self, req: Request, tokens: list[int], updates: list[RequestUpdate]) -> None:
+        """Append accepted tokens, stopping at a stop token or the length limit."""
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        new: list[int] = []
+        reason = None
+        stops = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stops |= self.eos_token_ids
+        for t in tokens:
+            new.append(t)
+            req.output_token_ids.append(t)
+            if t in stops:
+                reason = "stop"
+                break
+            if len(req.output_token_ids) >= req.params.max_tokens:
+                reason = "length"
+                break
+        self.counters["generated_tokens"] += len(new)
+        if reason is not None:
+            self._finish(req, reason)
+        updates.append(RequestUpdate(req.request_id, new, reason is not None, reason,
+                                     self.request_stats(req) if reason is not None else {}))
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.finish_time = time.perf_counter()
+        req.counters.update(self.kv.request_stats(req.request_id) if req.status is Status.RUNNING else {})
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+            self.kv.release(req.request_id)
+        req.status = Status.FINISHED
+        self.counters["requests_finished"] += 1
+
+    # ---------------------------------------------------------------------------------------------- stats
+    def request_stats(self, req: Request) -> dict[str, float]:
+        return {**req.timing(), **req.counters}
+
+    def stats(self) -> dict[str, float]:
+        out = {k: float(v) for k, v in self.counters.items()}
+        out["requests_waiting"] = float(len(self.waiting))
+        out["requests_running"] = float(len(self.running))
+        out.update(self.kv.stats())
+        return out

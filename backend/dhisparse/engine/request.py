@@ -1,0 +1,74 @@
+"""Request state inside the engine and what the engine reports about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from dhisparse.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued for admission (never dropped)
+    RUNNING = "running"  # prefilled, in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # int64 bit pattern of the request's random stream
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV rows are stored
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    admitted_time: float | None = None
+    finish_time: float | None = None
+    spec_state: object | None = None  # drafter state when speculating
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1]
+
+    def timing(self) -> dict[str, float]:
+        out: dict[str, float] = {"prompt_tokens": float(self.prompt_len),
+                                 "output_tokens": float(len(self.output_token_ids))}
+        if self.first_token_time is not None:
+            out["ttft_s"] = self.first_token_time - self.arrival_time
+        if self.admitted_time is not None:
+            out["queue_s"] = self.admitted_time - self.arrival_time
+        if self.finish_time is not None and self.first_token_time is not None and len(self.output_token_ids) > 1:
+            out["tpot_s"] = (self.finish_time - self.first_token_time) / (len(self.output_token_ids) - 1)
+        return out
+
+
+@dataclass
+class RequestUpdate:
+    """Tokens produced for one request by one engine step (streaming unit)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """Final result of one request from ``LLM.generate``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: dict[str, float]

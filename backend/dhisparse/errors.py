@@ -1,0 +1,19 @@
+"""Error types raised by the runtime. All derive from ``ValueError`` so callers can catch bad input uniformly."""
+
+from __future__ import annotations
+
+
+class DHiSparseError(ValueError):
+    """Base class of every error the runtime raises on purpose."""
+
+
+class ConfigError(DHiSparseError):
+    """A model, engine or runtime configuration that cannot work; the message says what to change."""
+
+
+class CheckpointError(DHiSparseError):
+    """A checkpoint or engine directory that is missing, incomplete or inconsistent."""
+
+
+class InvalidRequestError(DHiSparseError):
+    """A request the engine refuses (empty prompt, bad sampling parameters, unknown token ids, …)."""

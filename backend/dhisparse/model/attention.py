@@ -1,0 +1,128 @@
+"""MLA attention with the lightning indexer (DeepSeek Sparse Attention), absorbed over latent KV rows.
+
+Per token and layer the KV *row* is ``[kv_a_layernorm(c_kv) (kv_lora_rank) | rope(k_pe) (qk_rope_head_dim)]``.
+Attention never expands rows into per-head keys/values: the query's no-RoPE part is absorbed through
+``W_UK`` (``q_lat = q_nope @ W_UK``), scores are ``q_lat·c + q_pe·k_pe``, and the output ``Σ p·c`` is projected
+through ``W_UV`` — mathematically identical to transformers' expanded form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dhisparse.model.config import ModelConfig
+from dhisparse.model.kv_view import StepKV
+from dhisparse.model.layers import rms_norm
+from dhisparse.model.rope import apply_rope_half_split, apply_rope_interleaved, attention_softmax_scale
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
+
+
+class IndexedMLA:
+    """One layer's attention. ``weights`` holds canonical tensor names; ``prefix`` is ``model.layers.{i}.self_attn.``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, torch.Tensor]) -> None:
+        p = f"model.layers.{layer}.self_attn."
+        self.cfg, self.layer = cfg, layer
+        self.q_a = weights[p + "q_a_proj.weight"]
+        self.q_a_bias = weights.get(p + "q_a_proj.bias")
+        self.q_a_norm = weights[p + "q_a_layernorm.weight"]
+        self.q_b = weights[p + "q_b_proj.weight"]
+        self.kv_a = weights[p + "kv_a_proj_with_mqa.weight"]
+        self.kv_a_bias = weights.get(p + "kv_a_proj_with_mqa.bias")
+        self.kv_a_norm = weights[p + "kv_a_layernorm.weight"]
+        self.o = weights[p + "o_proj.weight"]
+        self.o_bias = weights.get(p + "o_proj.bias")
+        heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        kv_b = weights[p + "kv_b_proj.weight"].view(heads, nope + v, cfg.kv_lora_rank)
+        self.w_uk = kv_b[:, :nope, :].contiguous()  # [H, nope, rank]
+        self.w_uv = kv_b[:, nope:, :].contiguous()  # [H, v, rank]
+        self.scaling = attention_softmax_scale(cfg)
+        self.has_indexer = cfg.indexer_types[layer] == "full"
+        if self.has_indexer:
+            x = p + "indexer."
+            self.idx_wq = weights[x + "wq_b.weight"]
+            self.idx_wk = weights[x + "wk.weight"]
+            self.idx_norm_w = weights[x + "k_norm.weight"]
+            self.idx_norm_b = weights[x + "k_norm.bias"]
+            self.idx_weights = weights[x + "weights_proj.weight"]
+            self.idx_scale = cfg.index_head_dim**-0.5
+            self.idx_rope = apply_rope_interleaved if cfg.indexer_interleaved_rope else apply_rope_half_split
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: StepKV,
+        shared_selection: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, Q, hidden]`` (already input-normed), ``positions [B, Q]``, ``cos/sin [B, Q, rope]``.
+
+        Returns ``(output [B, Q, hidden], selection [B, Q, K])`` where ``selection`` holds the positions each
+        query attends to (−1 = unused); shared layers pass the group's selection in ``shared_selection``.
+        """
+        cfg = self.cfg
+        b, q_len, _ = x.shape
+        rank = cfg.kv_lora_rank
+        q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+        q = F.linear(q_resid, self.q_b).view(b, q_len, cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_rot = torch.split(q, [cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        compressed = F.linear(x, self.kv_a, self.kv_a_bias)
+        kv_pass, k_rot = torch.split(compressed, [rank, cfg.qk_rope_head_dim], dim=-1)
+        k_pass = rms_norm(kv_pass, self.kv_a_norm, LATENT_NORM_EPS)
+        q_rot = apply_rope_interleaved(q_rot, cos.unsqueeze(2), sin.unsqueeze(2))
+        k_rot = apply_rope_interleaved(k_rot, cos, sin)
+        rows = torch.cat([k_pass, k_rot], dim=-1)  # [B, Q, row_dim]
+
+        index_q = index_k = None
+        if self.has_indexer:
+            index_q, index_k = self._indexer_qk(x, q_resid, cos, sin)
+        kv.write(self.layer, rows, index_k)
+        if self.has_indexer:
+            selection = self._select(x, index_q, kv.index_keys(self.layer), positions, kv.lengths)
+        else:
+            if shared_selection is None:
+                raise ValueError(f"layer {self.layer} shares top-k but no earlier layer produced a selection")
+            selection = shared_selection
+
+        gathered = kv.gather(self.layer, selection)  # [B, Q, K, row_dim]
+        latent, pe = gathered[..., :rank], gathered[..., rank:]
+        q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, self.w_uk)
+        scores = torch.einsum("bqhr,bqkr->bqhk", q_lat, latent) + torch.einsum("bqhp,bqkp->bqhk", q_rot, pe)
+        scores = (scores * self.scaling).masked_fill((selection < 0).unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        out_lat = torch.einsum("bqhk,bqkr->bqhr", probs, latent)
+        out = torch.einsum("bqhr,hvr->bqhv", out_lat, self.w_uv).reshape(b, q_len, -1)
+        return F.linear(out, self.o, self.o_bias), selection
+
+    def _indexer_qk(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        b, q_len, _ = x.shape
+        rope = cfg.qk_rope_head_dim
+        q = F.linear(q_resid, self.idx_wq).view(b, q_len, cfg.index_n_heads, cfg.index_head_dim)
+        k = F.layer_norm(F.linear(x, self.idx_wk), (cfg.index_head_dim,), self.idx_norm_w, self.idx_norm_b, 1e-6)
+        q = torch.cat([self.idx_rope(q[..., :rope], cos.unsqueeze(2), sin.unsqueeze(2)), q[..., rope:]], dim=-1)
+        k = torch.cat([self.idx_rope(k[..., :rope], cos, sin), k[..., rope:]], dim=-1)
+        return q, k
+
+    def _select(
+        self, x: torch.Tensor, index_q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        """Lightning-indexer top-k: ``Σ_h w_h · relu(scale · q_h·k)`` in float32, causal, ``K = min(topk, T)``."""
+        cfg = self.cfg
+        scores = torch.matmul(index_q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * self.idx_scale
+        scores = F.relu(scores)  # [B, Q, heads, T]
+        head_w = F.linear(x.to(self.idx_weights.dtype), self.idx_weights).float() * (cfg.index_n_heads**-0.5)
+        index_scores = torch.matmul(head_w.unsqueeze(-2), scores).squeeze(-2)  # [B, Q, T]
+        t = torch.arange(keys.shape[1], device=keys.device)
+        visible = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < lengths.view(-1, 1, 1))
+        index_scores = index_scores.masked_fill(~visible, float("-inf"))
+        k = min(cfg.index_topk, keys.shape[1])
+        values, idx = index_scores.topk(k, dim=-1)
+        return torch.where(torch.isneginf(values), torch.full_like(idx, -1), idx)

@@ -1,0 +1,67 @@
+"""The narrow interface between the model's forward pass and whatever stores the KV (dense or hierarchical).
+
+One ``StepKV`` serves one batched forward: ``B`` requests, each with ``Q`` new tokens at positions
+``lengths[b] - Q … lengths[b] - 1``. For every layer the model calls ``write`` first, then (indexer layers)
+``index_keys``, then ``gather`` with the layer's selection.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class StepKV(Protocol):
+    lengths: torch.Tensor
+    """``[B]`` int64: history length of each request including the ``Q`` new tokens."""
+
+    def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        """Store the new tokens' latent rows ``[B, Q, row_dim]`` and, for indexer layers, keys ``[B, Q, d]``."""
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        """All indexer keys of ``layer``: ``[B, Tmax, d]``; entries at or past ``lengths[b]`` are zero."""
+
+    def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Rows at ``positions [B, Q, K]`` (int64, −1 = unused) of ``layer``'s source: ``[B, Q, K, row_dim]``,
+        zeros where the position is −1."""
+
+
+class LocalKV:
+    """KV of one request held in plain tensors: used by prefill (chunk after chunk) and as the dense reference.
+
+    ``rows [num_layers, capacity, row_dim]``; ``keys {layer: [capacity, d]}`` for indexer layers.
+    """
+
+    def __init__(
+        self, num_layers: int, indexer_layers: tuple[int, ...], capacity: int, row_dim: int, key_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.rows = torch.zeros(num_layers, capacity, row_dim, dtype=dtype, device=device)
+        self.keys = {i: torch.zeros(capacity, key_dim, dtype=dtype, device=device) for i in indexer_layers}
+        self.length = 0  # committed rows
+        self.query_len = 0
+        self.lengths = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def begin(self, query_len: int) -> LocalKV:
+        """Start a forward over the next ``query_len`` tokens (B = 1)."""
+        self.query_len = query_len
+        self.lengths = torch.tensor([self.length + query_len], dtype=torch.int64, device=self.rows.device)
+        return self
+
+    def end(self) -> None:
+        self.length += self.query_len
+        self.query_len = 0
+
+    def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
+        end = self.length + self.query_len
+        self.rows[layer, self.length:end] = rows[0]
+        if index_keys is not None:
+            self.keys[layer][self.length:end] = index_keys[0]
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        return self.keys[layer][: self.length + self.query_len].unsqueeze(0)
+
+    def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        out = self.rows[layer][positions.clamp(min=0)]
+        return out.masked_fill((positions < 0).unsqueeze(-1), 0)

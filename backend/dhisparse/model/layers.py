@@ -1,0 +1,90 @@
+"""Stateless building blocks with the numerics of transformers 5.24 (norms in float32, router in float32)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, then scaled (as ``DeepseekV3RMSNorm``)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``. Weights in ``nn.Linear`` layout ``[out, in]``."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class MoE:
+    """Shared + routed experts with the DeepSeek-V3 sigmoid router (grouped top-k, bias-corrected choice).
+
+    Weights: ``gate_weight [E, H]`` and ``correction_bias [E]`` in float32; ``experts_gate/up [E, I, H]``,
+    ``experts_down [E, H, I]``; shared expert MLP weights (or ``None`` when ``n_shared_experts == 0``).
+    """
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        prefix: str,
+        *,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+        has_shared: bool,
+    ) -> None:
+        self.gate_weight = weights[prefix + "gate.weight"]
+        self.correction_bias = weights[prefix + "gate.e_score_correction_bias"]
+        self.experts_gate = weights[prefix + "experts.gate_proj"]
+        self.experts_up = weights[prefix + "experts.up_proj"]
+        self.experts_down = weights[prefix + "experts.down_proj"]
+        self.shared = (
+            (weights[prefix + "shared_experts.gate_proj.weight"], weights[prefix + "shared_experts.up_proj.weight"],
+             weights[prefix + "shared_experts.down_proj.weight"])
+            if has_shared
+            else None
+        )
+        self.num_experts = self.experts_gate.shape[0]
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+
+    def route(self, x2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(weights [N, k] float32, expert ids [N, k])`` for tokens ``x2d [N, H]``."""
+        scores = F.linear(x2d.to(torch.float32), self.gate_weight.to(torch.float32)).sigmoid()
+        choice = scores + self.correction_bias
+        if self.n_group > 1:
+            n = x2d.shape[0]
+            grouped = choice.view(n, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, self.num_experts)
+            choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1])
+        weights, ids = self.route(x2d)
+        out = torch.zeros_like(x2d)
+        # One batched matmul per expert that any token chose (a loop over experts, never over tokens);
+        # accumulation in ascending expert order as transformers' eager experts do.
+        for expert in torch.unique(ids).tolist():
+            token_idx, slot = torch.where(ids == expert)
+            h = x2d[token_idx]
+            y = gated_mlp(h, self.experts_gate[expert], self.experts_up[expert], self.experts_down[expert])
+            y = y * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        out = out.view(shape)
+        if self.shared is not None:
+            out = out + gated_mlp(x, *self.shared)
+        return out

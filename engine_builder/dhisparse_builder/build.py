@@ -1,0 +1,98 @@
+"""Engine building: checkpoint → engine directory.
+
+An engine directory holds ``config.json`` (the model's Hugging Face config, unchanged), ``model.safetensors``
+(weights validated and converted to the engine dtype, routed experts stacked per layer), ``runtime.json`` (the
+KV/serving defaults, an ``EngineConfig``), the tokenizer files when the checkpoint has them, and
+``drafters/<kind>/`` when a drafter is packed with the target.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from dhisparse.engine.config import EngineConfig
+from dhisparse.errors import CheckpointError
+from dhisparse.model.weights import load_state_dict, read_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    checkpoint: Path
+    output: Path
+    runtime: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (dtype, kv_policy, …)
+    drafters: tuple[Path, ...] = ()
+    force: bool = False
+
+
+def _stderr_progress(label: str) -> Callable[[int, int], None]:
+    state = {"last": 0.0}
+
+    def report(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - state["last"] > 0.5:
+            state["last"] = now
+            print(f"\r{label}: {done}/{total} tensors ({100 * done // total}%)", end="", file=sys.stderr,
+                  flush=True)
+            if done == total:
+                print(file=sys.stderr)
+
+    return report
+
+
+def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None = None) -> Path:
+    """Build the engine; raises ``CheckpointError``/``ConfigError`` with the reason on bad input. The output is
+    written to a temporary directory next to ``output`` and moved into place only when complete."""
+    output = opts.output
+    if output.exists() and not opts.force:
+        raise CheckpointError(f"{output} already exists; pass --force to overwrite it")
+    runtime = EngineConfig().with_overrides(**opts.runtime)  # validates the options before the long work
+    cfg = read_config(opts.checkpoint)
+    weights = load_state_dict(opts.checkpoint, cfg, runtime.torch_dtype,
+                              progress=progress or _stderr_progress("converting"))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        raw_config = json.loads((opts.checkpoint / "config.json").read_text())
+        (staging / "config.json").write_text(json.dumps(raw_config, indent=2, sort_keys=True))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"),
+                  metadata={"format": "pt", "producer": "dhisparse-build"})
+        (staging / "runtime.json").write_text(runtime.to_json())
+        for name in TOKENIZER_FILES:
+            if (opts.checkpoint / name).exists():
+                shutil.copy2(opts.checkpoint / name, staging / name)
+        for drafter in opts.drafters:
+            _pack_drafter(drafter, staging)
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _pack_drafter(drafter: Path, staging: Path) -> None:
+    """Copy a drafter checkpoint under ``drafters/<kind>/`` after checking it loads."""
+    config_path = drafter / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{drafter}: drafter config.json not found")
+    kind = json.loads(config_path.read_text()).get("drafter_type") or json.loads(config_path.read_text()).get(
+        "model_type")
+    if not kind:
+        raise CheckpointError(f"{config_path}: no 'drafter_type' field")
+    target = staging / "drafters" / str(kind)
+    if target.exists():
+        raise CheckpointError(f"two drafters of kind {kind!r} given")
+    shutil.copytree(drafter, target)

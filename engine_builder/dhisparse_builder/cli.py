@@ -1,0 +1,55 @@
+"""Command line of the engine builder (argparse lives only here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dhisparse.engine.config import DTYPES, KV_POLICIES
+from dhisparse.errors import DHiSparseError
+from dhisparse_builder.build import BuildOptions, build_engine
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="dhisparse-build",
+        description="Validate a Hugging Face DSA checkpoint (deepseek_v32 / glm_moe_dsa) and build an engine.",
+    )
+    p.add_argument("--checkpoint", required=True, type=Path, help="HF checkpoint directory (config.json + safetensors)")
+    p.add_argument("--output", required=True, type=Path, help="engine directory to create")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight/compute dtype")
+    p.add_argument("--force", action="store_true", help="overwrite an existing engine directory")
+    p.add_argument("--drafter", action="append", type=Path, default=[], help="drafter checkpoint to pack (repeatable)")
+    g = p.add_argument_group("runtime defaults (runtime.json; each can be overridden by LLM(...) / dhisparse-serve)")
+    g.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
+    g.add_argument("--pool-bytes", type=int, default=None, help="device KV pool budget in bytes")
+    g.add_argument("--hot-rows", type=int, default=None, help="hot-cache rows B per request and source")
+    g.add_argument("--page-rows", type=int, default=None, help="rows per KV page")
+    g.add_argument("--reserve-bytes", type=int, default=None, help="admission reserve in bytes")
+    g.add_argument("--max-batch-size", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--speculative", choices=["dflash2", "dspark"], default=None)
+    g.add_argument("--num-draft-tokens", type=int, default=None)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runtime = {"dtype": args.dtype}
+    for name in ("kv_policy", "pool_bytes", "hot_rows", "page_rows", "reserve_bytes", "max_batch_size",
+                 "max_model_len", "speculative", "num_draft_tokens"):
+        value = getattr(args, name)
+        if value is not None:
+            runtime[name] = value
+    try:
+        out = build_engine(BuildOptions(args.checkpoint, args.output, runtime, tuple(args.drafter), args.force))
+    except DHiSparseError as exc:
+        print(f"dhisparse-build: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"engine written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
