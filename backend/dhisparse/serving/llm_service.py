@@ -1,0 +1,147 @@
+"""What the `dhisparse` Triton model runs: the engine loop, one responder thread per request, one supervisor.
+
+Request path: `model.py` parses the tensors (`parse_llm_request`) and calls `LLMService.start`, which
+submits to the `EngineLoop` (invalid requests raise before anything is queued) and starts a responder
+thread. The responder iterates the request's update stream and sends Triton responses: one per update
+when streaming (the last carries the COMPLETE_FINAL flag), a single one otherwise. Multi-token stop
+sequences are matched here and end the request early (the engine request is cancelled).
+
+The supervisor thread wakes every `interval_s` to (1) poll each open request's `is_cancelled()` (a
+client that cancels or disconnects) and cancel it in the loop, which frees all its KV memory, and
+(2) copy `EngineLoop.stats()` into the custom metrics. Both touch Triton from this one thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from dhisparse.engine.loop import EngineLoop
+from dhisparse.serving.engine_metrics import EngineMetrics
+from dhisparse.serving.llm_request import LLMRequest, output_arrays
+from dhisparse.serving.stop_sequences import StopSequenceMatcher
+from dhisparse.serving.triton_tensors import error_response, response
+
+
+class LLMService:
+    """Serve `LLMRequest`s from a running `EngineLoop` to Triton response senders.
+
+    Args:
+        pb: the `triton_python_backend_utils` module.
+        loop: the engine loop (owned: `close` closes it).
+        metrics: where to publish statistics, or None.
+        interval_s: supervisor period (cancellation latency and metrics freshness), seconds.
+    """
+
+    def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25) -> None:
+        self._pb = pb
+        self.loop = loop
+        self._metrics = metrics
+        self._interval_s = interval_s
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._active: dict[str, Any] = {}  # request id -> response sender
+        self._cancelled: set[str] = set()
+        self._cancelled_total = 0
+        self._stop = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, name="dhisparse-supervisor", daemon=True)
+        self._supervisor.start()
+
+    # ------------------------------------------------------------------------------------------ requests
+    def start(self, request: LLMRequest, sender: Any) -> str:
+        """Submit `request` and stream its responses to `sender`; returns the engine request id.
+
+        Raises InvalidRequestError (nothing queued, nothing sent) when the engine refuses the request.
+        """
+        request_id = f"triton-{next(self._ids)}"
+        stream = self.loop.submit(request.prompt_token_ids, request.params, request_id)
+        with self._lock:
+            self._active[request_id] = sender
+        threading.Thread(
+            target=self._respond, args=(request_id, request, stream, sender), name=f"respond-{request_id}",
+            daemon=True,
+        ).start()
+        return request_id
+
+    def _send(self, sender: Any, arrays_or_error: dict | BaseException | None, final: bool) -> None:
+        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if arrays_or_error is None:
+            sender.send(flags=flags)
+        elif isinstance(arrays_or_error, BaseException):
+            sender.send(error_response(self._pb, arrays_or_error), flags=flags)
+        else:
+            sender.send(response(self._pb, arrays_or_error), flags=flags)
+
+    def _respond(self, request_id: str, request: LLMRequest, stream: Iterable, sender: Any) -> None:
+        matcher = StopSequenceMatcher(request.stop_sequences)
+        collected: list[int] = []
+        done = False  # the client has its final response (or is gone)
+        try:
+            for update in stream:
+                if done:
+                    continue  # drain what the loop still sends after an early stop
+                tokens = list(update.new_token_ids)
+                finished = update.finished
+                keep = matcher.feed(tokens)
+                if keep is not None:
+                    tokens, finished = tokens[:keep], True
+                    if not update.finished:
+                        self.loop.cancel(request_id)
+                if self._was_cancelled(request_id):
+                    self._send(sender, self._cancelled_error(), final=True)
+                    done = True
+                    continue
+                collected.extend(tokens)
+                if request.streaming and (tokens or finished):
+                    self._send(sender, output_arrays(tokens) if tokens else None, final=finished)
+                    done = finished
+                elif finished:
+                    self._send(sender, output_arrays(collected), final=True)
+                    done = True
+            if not done:  # the stream ended without a finishing update (loop shut down)
+                error = self._cancelled_error() if self._was_cancelled(request_id) else RuntimeError(
+                    "the engine loop stopped before the request finished")
+                self._send(sender, error, final=True)
+        except Exception as error:  # noqa: BLE001 - engine failure: tell the client, keep serving others
+            if not done:
+                self._send(sender, RuntimeError(f"request failed: {error}"), final=True)
+        finally:
+            with self._lock:
+                self._active.pop(request_id, None)
+                self._cancelled.discard(request_id)
+
+    def _was_cancelled(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._cancelled
+
+    def _cancelled_error(self) -> Any:
+        return self._pb.TritonError("request cancelled by the client", self._pb.TritonError.CANCELLED)
+
+    # ---------------------------------------------------------------------------------------- supervisor
+    def _supervise(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            with self._lock:
+                open_requests = [(rid, s) for rid, s in self._active.items() if rid not in self._cancelled]
+            for request_id, sender in open_requests:
+                if sender.is_cancelled():
+                    with self._lock:
+                        self._cancelled.add(request_id)
+                        self._cancelled_total += 1
+                    self.loop.cancel(request_id)
+            if self._metrics is not None:
+                self._metrics.update(self.stats())
+
+    def stats(self) -> dict[str, float]:
+        """Engine statistics plus the serving layer's own counters."""
+        with self._lock:
+            serving = {"serving_active_requests": float(len(self._active)),
+                       "serving_cancelled_requests": float(self._cancelled_total)}
+        return {**self.loop.stats(), **serving}
+
+    def close(self) -> None:
+        """Stop the supervisor and the engine loop (open requests are aborted)."""
+        self._stop.set()
+        self._supervisor.join(timeout=5.0)
+        self.loop.close()

@@ -1,0 +1,47 @@
+"""Triton `dhisparse` model: hands each request to the engine's background loop and streams its tokens back.
+
+Thin on purpose: tensors -> `parse_llm_request` -> `LLMService.start`; everything else lives in
+`dhisparse.serving` (llm_request.py, llm_service.py, engine_metrics.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        if parameters.get("python_path"):  # the launcher pins the dhisparse package it was started from
+            sys.path.insert(0, parameters["python_path"])
+        from dhisparse import LLM
+        from dhisparse.engine.loop import EngineLoop
+        from dhisparse.serving import llm_request, repository, triton_tensors
+        from dhisparse.serving.engine_metrics import EngineMetrics
+        from dhisparse.serving.llm_service import LLMService
+
+        self.requests, self.tensors = llm_request, triton_tensors
+        overrides = {key.removeprefix("engine."): repository.parse_override(value)
+                     for key, value in parameters.items() if key.startswith("engine.")}
+        llm = LLM(parameters["engine_dir"], **overrides)
+        metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
+        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s)
+
+    def execute(self, requests: list) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
+                self.service.start(self.requests.parse_llm_request(inputs), sender)
+            except ValueError as error:  # InvalidRequestError and SamplingParams' checks
+                sender.send(self.tensors.error_response(pb_utils, error),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        # Decoupled: responses go through each request's sender, execute returns nothing.
+
+    def finalize(self) -> None:
+        self.service.close()
