@@ -15,12 +15,14 @@ size_t dhs_cuda_resolver_workspace_bytes(int64_t num_sources, int64_t n_select, 
 }
 
 int32_t dhs_cuda_resolve(int64_t num_sources, int64_t n_select, int64_t num_pages, int64_t hot_rows,
-    int64_t page_rows, int32_t index_bytes, void const* selection, void const* meta, void const* page_locations,
-    void* hot_positions, void* hot_last_use, void* locations, void* copy_positions, void* copy_locations,
+    int64_t page_rows, int32_t index_bytes, void const* stamp, void const* positions, void const* page_table,
+    void const* hot_pos_in, void const* hot_stamp_in, void const* hot_loc, void* locations, int8_t* steps,
+    void* hot_pos_out, void* hot_stamp_out, void* copy_position, void* copy_slot, void* copy_location,
     int32_t* summary, void* workspace, void* stream)
 {
-    ResolverArgs const args{num_sources, n_select, num_pages, hot_rows, page_rows, index_bytes, selection, meta,
-        page_locations, hot_positions, hot_last_use, locations, copy_positions, copy_locations, summary};
+    ResolverArgs const args{num_sources, n_select, num_pages, hot_rows, page_rows, index_bytes, stamp, positions,
+        page_table, hot_pos_in, hot_stamp_in, hot_loc, locations, steps, hot_pos_out, hot_stamp_out, copy_position,
+        copy_slot, copy_location, summary};
     return static_cast<int32_t>(
         dhisparse::cuda::launch_resolver(args, workspace, static_cast<cudaStream_t>(stream)));
 }

@@ -1,5 +1,6 @@
 // Batched three-step resolver: one thread block per (request, source). Implements the contract of
-// dhisparse/resolver.h with block-wide sorts and scans; results equal the serial CPU build bit for bit.
+// dhisparse/resolver.h with block-wide sorts and scans in a global-memory workspace; results equal the
+// serial CPU build bit for bit.
 #include "block_ops.cuh"
 #include "dhisparse/kernels.h"
 #include "dhisparse/resolver.h"
@@ -13,36 +14,25 @@ namespace
 
 constexpr int kResolverThreads = 256;
 constexpr int64_t kInvalidKey = INT64_MAX;
-
-enum EntryClass : int32_t
-{
-    kNotFirst = 0,
-    kDirect = 1,
-    kHot = 2,
-    kMiss = 3,
-};
+constexpr int32_t kNotFirst = kStepUnused;  // entry classes reuse the step codes 1..3
 
 //! Per-row slice of the workspace.
 struct RowScratch
 {
-    int64_t* keys;        // [n2] sorted selection positions (padding = kInvalidKey)
-    int64_t* victims;     // [b2] victim keys
-    int32_t* cls;         // [n2] EntryClass of each sorted entry
+    int64_t* keys;        // [n2] sorted selection positions (unused = kInvalidKey)
+    int64_t* victims;     // [b2] eviction keys
+    int64_t* hot_keys;    // [b2] sorted hot-cache index
+    int64_t* loc;         // [n2] location of each first occurrence
+    int32_t* cls;         // [n2] step code of each first occurrence, kNotFirst otherwise
     int32_t* miss_rank;   // [n2] exclusive prefix count of misses
-    int64_t* loc;         // [n2] resolved location of each first occurrence
     int32_t* needed;      // [b]  slot hit by this step
 };
-
-__host__ __device__ int64_t align8(int64_t bytes)
-{
-    return (bytes + 7) & ~int64_t{7};
-}
 
 __host__ __device__ int64_t row_scratch_bytes(int64_t n_select, int64_t hot_rows)
 {
     int64_t const n2 = next_pow2(n_select > 0 ? n_select : 1);
     int64_t const b2 = next_pow2(hot_rows > 0 ? hot_rows : 1);
-    return n2 * (8 + 4 + 4 + 8) + b2 * 8 + align8(hot_rows * 4);
+    return n2 * (8 + 8 + 4 + 4) + b2 * 16 + ((hot_rows * 4 + 7) & ~int64_t{7});
 }
 
 __device__ RowScratch row_scratch(void* workspace, int64_t r, int64_t n_select, int64_t hot_rows)
@@ -53,7 +43,8 @@ __device__ RowScratch row_scratch(void* workspace, int64_t r, int64_t n_select, 
     RowScratch s;
     s.keys = reinterpret_cast<int64_t*>(base);
     s.victims = s.keys + n2;
-    s.loc = s.victims + b2;
+    s.hot_keys = s.victims + b2;
+    s.loc = s.hot_keys + b2;
     s.cls = reinterpret_cast<int32_t*>(s.loc + n2);
     s.miss_rank = s.cls + n2;
     s.needed = s.miss_rank + n2;
@@ -64,55 +55,54 @@ template <typename Idx>
 __global__ void __launch_bounds__(kResolverThreads) resolver_kernel(ResolverArgs args, void* workspace)
 {
     __shared__ int32_t scan_shared[kResolverThreads + 1];
-    __shared__ int32_t counters[6];  // out_of_range, direct, hot, misses, evictable, num_union
+    __shared__ int32_t counters[6];  // unused, direct, hot, misses, candidates, num_union
     int64_t const r = blockIdx.x;
     int64_t const n = args.n_select;
     int64_t const b = args.hot_rows;
     int64_t const n2 = next_pow2(n > 0 ? n : 1);
     int64_t const b2 = next_pow2(b > 0 ? b : 1);
-    SourceView<Idx> const v = batch_source_view<Idx>(r, static_cast<Idx const*>(args.meta),
-        static_cast<Idx const*>(args.page_locations), args.num_pages, static_cast<Idx*>(args.hot_positions),
-        static_cast<Idx*>(args.hot_last_use), b, static_cast<Idx>(args.page_rows));
-    Idx const* selection = static_cast<Idx const*>(args.selection) + r * n;
+    Idx const stamp = *static_cast<Idx const*>(args.stamp);
+    Idx* hot_pos = static_cast<Idx*>(args.hot_pos_out) + r * b;
+    Idx* hot_stamp = static_cast<Idx*>(args.hot_stamp_out) + r * b;
+    Idx const* hot_pos_in = static_cast<Idx const*>(args.hot_pos_in) + r * b;
+    Idx const* hot_stamp_in = static_cast<Idx const*>(args.hot_stamp_in) + r * b;
+    SourceView<Idx> const v = batch_source_view<Idx>(r, static_cast<Idx>(args.page_rows), stamp,
+        static_cast<Idx const*>(args.page_table), args.num_pages, static_cast<Idx*>(args.hot_pos_out),
+        static_cast<Idx*>(args.hot_stamp_out), static_cast<Idx const*>(args.hot_loc), b);
+    Idx const* positions = static_cast<Idx const*>(args.positions) + r * n;
     Idx* locations = static_cast<Idx*>(args.locations) + r * n;
-    Idx* copy_positions = static_cast<Idx*>(args.copy_positions) + r * n;
-    Idx* copy_locations = static_cast<Idx*>(args.copy_locations) + r * n;
-    int32_t* summary = args.summary + r * 6;
+    int8_t* steps = args.steps + r * n;
+    Idx* copy_position = static_cast<Idx*>(args.copy_position) + r * n;
+    Idx* copy_slot = static_cast<Idx*>(args.copy_slot) + r * n;
+    Idx* copy_location = static_cast<Idx*>(args.copy_location) + r * n;
+    int32_t* summary = args.summary + r * kSummaryColumns;
     RowScratch const s = row_scratch(workspace, r, n, b);
 
     if (threadIdx.x < 6)
     {
         counters[threadIdx.x] = 0;
     }
-    __syncthreads();
+    for (int64_t i = threadIdx.x; i < b; i += blockDim.x)
+    {
+        hot_pos[i] = hot_pos_in[i];  // same value when aliased
+        hot_stamp[i] = hot_stamp_in[i];
+        s.needed[i] = 0;
+    }
     // Union: sort every valid position; the first of equal keys is the union entry.
     for (int64_t i = threadIdx.x; i < n2; i += blockDim.x)
     {
-        int64_t key = kInvalidKey;
-        if (i < n)
-        {
-            Idx const pos = selection[i];
-            if (pos >= v.num_rows)
-            {
-                atomicAdd(&counters[0], 1);
-            }
-            key = pos >= 0 ? static_cast<int64_t>(pos) : kInvalidKey;
-        }
-        s.keys[i] = key;
+        s.keys[i] = (i < n && positions[i] >= 0) ? static_cast<int64_t>(positions[i]) : kInvalidKey;
     }
-    for (int64_t i = threadIdx.x; i < b; i += blockDim.x)
+    for (int64_t i = threadIdx.x; i < b2; i += blockDim.x)
     {
-        s.needed[i] = 0;
+        s.hot_keys[i] = i < b ? hot_index_key(hot_pos_in[i], i) : kEmptySlotKey;
     }
     __syncthreads();
-    bool const out_of_range = counters[0] != 0;
-    if (!out_of_range)
-    {
-        block_bitonic_sort(s.keys, n2);
-    }
+    block_bitonic_sort(s.keys, n2);
+    block_bitonic_sort(s.hot_keys, b2);
 
     // Steps 1 and 2 on first occurrences.
-    for (int64_t i = threadIdx.x; i < n2 && !out_of_range; i += blockDim.x)
+    for (int64_t i = threadIdx.x; i < n2; i += blockDim.x)
     {
         int64_t const key = s.keys[i];
         int32_t c = kNotFirst;
@@ -121,36 +111,36 @@ __global__ void __launch_bounds__(kResolverThreads) resolver_kernel(ResolverArgs
         {
             Idx const pos = static_cast<Idx>(key);
             loc = direct_location(v, pos);
-            c = kDirect;
+            c = kStepDirect;
             if (loc < 0)
             {
-                Idx const slot = hot_find(v, pos);
+                int64_t const slot = hot_index_find(s.hot_keys, b, pos);
                 if (slot >= 0)
                 {
                     s.needed[slot] = 1;
-                    loc = v.hot_location + slot;
-                    c = kHot;
+                    loc = v.hot_loc[slot];
+                    c = kStepHot;
                 }
                 else
                 {
-                    c = kMiss;
+                    c = kStepHost;
                 }
             }
-            atomicAdd(&counters[c], 1);  // 1 direct, 2 hot, 3 misses
+            atomicAdd(&counters[c], 1);
             atomicAdd(&counters[5], 1);
         }
         s.cls[i] = c;
-        s.miss_rank[i] = c == kMiss ? 1 : 0;
+        s.miss_rank[i] = c == kStepHost ? 1 : 0;
         s.loc[i] = loc;
     }
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < b2 && !out_of_range; i += blockDim.x)
+    for (int64_t i = threadIdx.x; i < b2; i += blockDim.x)
     {
         int64_t key = kInvalidKey;
         if (i < b)
         {
             bool const needed = s.needed[i] != 0;
-            key = victim_key(v.hot_last_use[i], i, needed);
+            key = victim_key(hot_pos[i], hot_stamp[i], i, needed);
             if (!needed)
             {
                 atomicAdd(&counters[4], 1);
@@ -159,71 +149,83 @@ __global__ void __launch_bounds__(kResolverThreads) resolver_kernel(ResolverArgs
         s.victims[i] = key;
     }
     __syncthreads();
-    int32_t status = out_of_range ? kPositionOutOfRange : (counters[3] > counters[4] ? kHotCacheTooSmall : kResolveOk);
-    if (status != kResolveOk)
+    if (threadIdx.x == 0)
     {
+        summary[kSummaryNumUnion] = counters[5];
+        summary[kSummaryDirect] = counters[kStepDirect];
+        summary[kSummaryHot] = counters[kStepHot];
+    }
+    if (counters[kStepHost] > counters[4])
+    {
+        // Overflow: the state outputs keep the inputs, every other output is "unused".
         for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
         {
             locations[i] = -1;
-            copy_positions[i] = -1;
-            copy_locations[i] = -1;
+            steps[i] = kStepUnused;
+            copy_position[i] = -1;
+            copy_slot[i] = -1;
+            copy_location[i] = -1;
         }
         if (threadIdx.x == 0)
         {
-            summary[0] = status;
-            summary[1] = out_of_range ? 0 : counters[5];
-            summary[2] = 0;
-            summary[3] = out_of_range ? 0 : counters[1];
-            summary[4] = out_of_range ? 0 : counters[2];
-            summary[5] = 0;
+            summary[kSummaryStatus] = kHotCacheTooSmall;
+            summary[kSummaryNumCopies] = 0;
+            summary[kSummaryHost] = 0;
         }
         return;
     }
     block_bitonic_sort(s.victims, b2);
     int32_t const num_copies = block_exclusive_scan(s.miss_rank, n2, scan_shared);
 
-    // Step 3 and the LRU update: hit slots get the step stamp, miss i takes victim i.
+    // Step 3 and the LRU update: hit slots take the stamp, miss k takes victim k.
     for (int64_t i = threadIdx.x; i < b; i += blockDim.x)
     {
         if (s.needed[i])
         {
-            v.hot_last_use[i] = v.step;
+            hot_stamp[i] = stamp;
         }
     }
     for (int64_t i = threadIdx.x; i < n2; i += blockDim.x)
     {
-        if (s.cls[i] == kMiss)
+        if (s.cls[i] == kStepHost)
         {
             int32_t const k = s.miss_rank[i];
-            Idx const slot = static_cast<Idx>(victim_slot(s.victims[k]));
+            int64_t const slot = victim_slot(s.victims[k]);
             Idx const pos = static_cast<Idx>(s.keys[i]);
-            Idx const loc = v.hot_location + slot;
-            v.hot_positions[slot] = pos;
-            v.hot_last_use[slot] = v.step;
+            Idx const loc = v.hot_loc[slot];
+            hot_pos[slot] = pos;
+            hot_stamp[slot] = stamp;
             s.loc[i] = loc;
-            copy_positions[k] = pos;
-            copy_locations[k] = loc;
+            copy_position[k] = pos;
+            copy_slot[k] = static_cast<Idx>(slot);
+            copy_location[k] = loc;
         }
     }
     for (int64_t i = num_copies + threadIdx.x; i < n; i += blockDim.x)
     {
-        copy_positions[i] = -1;
-        copy_locations[i] = -1;
+        copy_position[i] = -1;
+        copy_slot[i] = -1;
+        copy_location[i] = -1;
     }
     __syncthreads();
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
     {
-        Idx const pos = selection[i];
-        locations[i] = pos < 0 ? Idx(-1) : static_cast<Idx>(s.loc[lower_bound(s.keys, n2, static_cast<int64_t>(pos))]);
+        Idx const pos = positions[i];
+        if (pos < 0)
+        {
+            locations[i] = -1;
+            steps[i] = kStepUnused;
+            continue;
+        }
+        int64_t const k = lower_bound(s.keys, n2, static_cast<int64_t>(pos));
+        locations[i] = static_cast<Idx>(s.loc[k]);
+        steps[i] = static_cast<int8_t>(s.cls[k]);
     }
     if (threadIdx.x == 0)
     {
-        summary[0] = kResolveOk;
-        summary[1] = counters[5];
-        summary[2] = num_copies;
-        summary[3] = counters[1];
-        summary[4] = counters[2];
-        summary[5] = num_copies;
+        summary[kSummaryStatus] = kResolveOk;
+        summary[kSummaryNumCopies] = num_copies;
+        summary[kSummaryHost] = num_copies;
     }
 }
 
@@ -240,7 +242,8 @@ cudaError_t launch_resolver(ResolverArgs const& args, void* workspace, cudaStrea
     {
         return cudaSuccess;
     }
-    if (args.num_sources < 0 || args.page_rows <= 0 || args.hot_rows >= (int64_t{1} << 24)
+    if (args.num_sources < 0 || args.n_select < 0 || args.num_pages < 0 || args.page_rows <= 0
+        || args.hot_rows < 0 || args.hot_rows >= (int64_t{1} << kSlotBits)
         || (args.index_bytes != 4 && args.index_bytes != 8))
     {
         return cudaErrorInvalidValue;

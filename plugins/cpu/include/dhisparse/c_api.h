@@ -10,7 +10,7 @@ extern "C" {
 //! Bumped whenever a signature or a layout below changes.
 #define DHS_CPU_ABI_VERSION 1
 
-//! Columns of `summary` rows.
+//! Columns of `summary` rows (dhisparse::SummaryColumn).
 #define DHS_SUMMARY_STATUS 0
 #define DHS_SUMMARY_NUM_UNION 1
 #define DHS_SUMMARY_NUM_COPIES 2
@@ -21,27 +21,31 @@ extern "C" {
 
 int32_t dhs_cpu_abi_version(void);
 
-//! Resolves R (request, source) rows of one decode step (see plugins/common/include/dhisparse/resolver.h).
-//!   selection      [R, n]  positions (Q x K flattened; negative = padding)
-//!   meta           [R, 5]  num_rows, tail_start, tail_location, hot_location, step
-//!   page_locations [R, P]  device row of each page's first row, -1 when the page is not ready on device
-//!   hot_positions  [R, B]  in/out: position held by each hot slot, -1 = empty
-//!   hot_last_use   [R, B]  in/out: LRU stamp of each slot, -1 = never used
-//!   locations      [R, n]  out: device row of each selection entry, -1 for padding
-//!   copy_positions [R, n]  out: host positions to copy, ascending, -1 padded
-//!   copy_locations [R, n]  out: destination device row of each copy, -1 padded
-//!   summary        [R, 6]  out: status, num_union, num_copies, direct, hot, host
-//! Returns 0 when every row resolved, else the first non-zero row status (that row's state is untouched).
+//! Resolves R (request, source) rows of one decode step with the contract of
+//! backend/dhisparse/kv/resolver.py (see plugins/common/include/dhisparse/resolver.h).
+//!   positions     [R, N]  selected positions (all queries concatenated); negative = unused
+//!   page_table    [R, M]  arena page of each page (tail or ready optional page), -1 otherwise
+//!   hot_pos       [R, B]  in/out: position held by each slot, -1 = empty
+//!   hot_stamp     [R, B]  in/out: stamp of each slot's last use
+//!   hot_loc       [R, B]  arena row of each slot
+//!   locations     [R, N]  out: arena row of each entry, -1 where unused
+//!   steps         [R, N]  out (int8): 0 unused, 1 direct, 2 hot, 3 host copy
+//!   copy_position [R, N]  out: positions to copy from host, ascending, -1 padded
+//!   copy_slot     [R, N]  out: hot slot of each copy, -1 padded
+//!   copy_location [R, N]  out: arena row of each copy, -1 padded
+//!   summary       [R, 6]  out (int32): status, num_union, num_copies, direct, hot, host
+//! Returns 0 when every row resolved, -1 for bad sizes, else the first non-zero row status (that row's
+//! hot_pos / hot_stamp are untouched; other rows are resolved).
 int32_t dhs_resolve_batch_i64(int64_t num_sources, int64_t n_select, int64_t num_pages, int64_t hot_rows,
-    int64_t page_rows, int64_t const* selection, int64_t const* meta, int64_t const* page_locations,
-    int64_t* hot_positions, int64_t* hot_last_use, int64_t* locations, int64_t* copy_positions,
-    int64_t* copy_locations, int32_t* summary);
+    int64_t page_rows, int64_t stamp, int64_t const* positions, int64_t const* page_table, int64_t* hot_pos,
+    int64_t* hot_stamp, int64_t const* hot_loc, int64_t* locations, int8_t* steps, int64_t* copy_position,
+    int64_t* copy_slot, int64_t* copy_location, int32_t* summary);
 
 //! Same with int32 indices (the layout of the TensorRT resolver plugin).
 int32_t dhs_resolve_batch_i32(int64_t num_sources, int64_t n_select, int64_t num_pages, int64_t hot_rows,
-    int32_t page_rows, int32_t const* selection, int32_t const* meta, int32_t const* page_locations,
-    int32_t* hot_positions, int32_t* hot_last_use, int32_t* locations, int32_t* copy_positions,
-    int32_t* copy_locations, int32_t* summary);
+    int32_t page_rows, int32_t stamp, int32_t const* positions, int32_t const* page_table, int32_t* hot_pos,
+    int32_t* hot_stamp, int32_t const* hot_loc, int32_t* locations, int8_t* steps, int32_t* copy_position,
+    int32_t* copy_slot, int32_t* copy_location, int32_t* summary);
 
 //! Thread blocks the CUDA gather copy uses for a batch of `batch` requests (4..32).
 int32_t dhs_copy_grid_blocks(int64_t batch);

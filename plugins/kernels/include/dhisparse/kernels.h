@@ -12,8 +12,9 @@ namespace dhisparse
 namespace cuda
 {
 
-//! Arguments of the batched resolver: R = num_sources rows (request x source), n = Q*K selection entries,
-//! P pages, B hot rows. Index arrays are int32 or int64 (`index_bytes`); `summary` is int32 [R, 6].
+//! Arguments of the batched resolver: R = num_sources rows (request x source), N selection entries, M pages,
+//! B hot rows; index arrays are int32 or int64 (`index_bytes`). Contract: dhisparse/resolver.h.
+//! hot_pos_out / hot_stamp_out may alias the inputs (in-place update).
 struct ResolverArgs
 {
     int64_t num_sources;
@@ -21,16 +22,21 @@ struct ResolverArgs
     int64_t num_pages;
     int64_t hot_rows;
     int64_t page_rows;
-    int32_t index_bytes;          //!< 4 or 8
-    void const* selection;        //!< [R, n]
-    void const* meta;             //!< [R, 5]
-    void const* page_locations;   //!< [R, P]
-    void* hot_positions;          //!< [R, B] in/out
-    void* hot_last_use;           //!< [R, B] in/out
-    void* locations;              //!< [R, n] out
-    void* copy_positions;         //!< [R, n] out, -1 padded
-    void* copy_locations;         //!< [R, n] out, -1 padded
-    int32_t* summary;             //!< [R, 6] out
+    int32_t index_bytes;        //!< 4 or 8
+    void const* stamp;          //!< [1] this step's stamp (device memory)
+    void const* positions;      //!< [R, N]
+    void const* page_table;     //!< [R, M]
+    void const* hot_pos_in;     //!< [R, B]
+    void const* hot_stamp_in;   //!< [R, B]
+    void const* hot_loc;        //!< [R, B]
+    void* locations;            //!< [R, N] out
+    int8_t* steps;              //!< [R, N] out
+    void* hot_pos_out;          //!< [R, B] out
+    void* hot_stamp_out;        //!< [R, B] out
+    void* copy_position;        //!< [R, N] out, -1 padded
+    void* copy_slot;            //!< [R, N] out, -1 padded
+    void* copy_location;        //!< [R, N] out, -1 padded
+    int32_t* summary;           //!< [R, 6] out (dhisparse::SummaryColumn)
 };
 
 //! Device scratch the resolver needs (bytes), for `workspace` of launch_resolver.

@@ -1,0 +1,136 @@
+"""Optional ctypes binding of the native CPU library (``plugins/cpu``, ``libdhisparse_cpu.so``).
+
+The library is the CPU build of the header-only resolver shared with the CUDA kernels
+(``plugins/common/include/dhisparse/resolver.h``). :func:`resolve` has the signature and the exact results
+of :func:`dhisparse.kv.resolver.resolve` (locations, step codes, LRU state, copy list, counts).
+
+Nothing here is required: importing this module never fails and never loads anything. :func:`load` looks
+for the library (``$DHISPARSE_NATIVE_LIB``, else ``build/native/plugins/libdhisparse_cpu.so`` under the
+repository root, built by ``scripts/setup_native.sh``) and returns ``None`` when it is absent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
+
+ABI_VERSION = 1
+_STATUS_HOT_CACHE_TOO_SMALL = 1
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
+
+
+def library_path() -> Path:
+    """Where :func:`load` looks for ``libdhisparse_cpu.so``."""
+    override = os.environ.get("DHISPARSE_NATIVE_LIB")
+    return Path(override) if override else _DEFAULT_LIBRARY
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The loaded CPU library, or ``None`` when it is not built (or has another ABI version)."""
+    path = library_path()
+    if not path.is_file():
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.dhs_cpu_abi_version.restype = ctypes.c_int32
+    if lib.dhs_cpu_abi_version() != ABI_VERSION:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.dhs_resolve_batch_i64.restype = ctypes.c_int32
+    lib.dhs_resolve_batch_i64.argtypes = [i64] * 6 + [ptr] * 11
+    lib.dhs_copy_grid_blocks.restype = ctypes.c_int32
+    lib.dhs_copy_grid_blocks.argtypes = [i64]
+    return lib
+
+
+def available() -> bool:
+    """True when the CPU library is built and loadable."""
+    return load() is not None
+
+
+def copy_grid_blocks(batch: int) -> int:
+    """Thread blocks (4..32) of the CUDA gather copy for a decode batch of ``batch`` requests."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU library not built (looked for {library_path()})")
+    return int(lib.dhs_copy_grid_blocks(batch))
+
+
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def resolve(
+    positions: torch.Tensor,
+    page_table: torch.Tensor,
+    hot_pos: torch.Tensor,
+    hot_stamp: torch.Tensor,
+    hot_loc: torch.Tensor,
+    stamp: int,
+    page_rows: int,
+) -> Resolution:
+    """:func:`dhisparse.kv.resolver.resolve` computed by the CPU library (same arguments, same results).
+
+    Shapes: positions ``[R, N]``, page_table ``[R, M]``, hot_pos / hot_stamp / hot_loc ``[R, B]``, all
+    integer (converted to int64 on the CPU). Inputs are not modified.
+
+    Raises:
+        RuntimeError: the library is not built.
+        ValueError: bad shapes or arguments.
+        HotCacheOverflowError: a request misses more rows than its hot cache has evictable slots.
+    """
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU library not built (looked for {library_path()})")
+    if positions.dim() != 2 or page_table.dim() != 2 or hot_pos.dim() != 2:
+        raise ValueError("positions, page_table and hot_pos must be 2-D [R, ...] tensors")
+    num_requests, n = positions.shape
+    num_slots = hot_pos.shape[1]
+    if hot_stamp.shape != hot_pos.shape or hot_loc.shape != hot_pos.shape:
+        raise ValueError("hot_pos, hot_stamp and hot_loc must have the same shape [R, B]")
+    if page_table.shape[0] != num_requests or hot_pos.shape[0] != num_requests:
+        raise ValueError("positions, page_table and hot_pos must have the same number of rows R")
+    if page_rows <= 0 or stamp < 0:
+        raise ValueError(f"page_rows must be > 0 and stamp >= 0, got {page_rows} and {stamp}")
+    pos, table, loc_in = _i64(positions), _i64(page_table), _i64(hot_loc)
+    new_pos, new_stamp = _i64(hot_pos).clone(), _i64(hot_stamp).clone()
+    locations = torch.empty(num_requests, n, dtype=torch.int64)
+    steps = torch.empty(num_requests, n, dtype=torch.int8)
+    copy_position = torch.empty(num_requests, n, dtype=torch.int64)
+    copy_slot = torch.empty(num_requests, n, dtype=torch.int64)
+    copy_location = torch.empty(num_requests, n, dtype=torch.int64)
+    summary = torch.empty(num_requests, 6, dtype=torch.int32)
+    status = lib.dhs_resolve_batch_i64(
+        num_requests, n, table.shape[1], num_slots, page_rows, stamp,
+        pos.data_ptr(), table.data_ptr(), new_pos.data_ptr(), new_stamp.data_ptr(), loc_in.data_ptr(),
+        locations.data_ptr(), steps.data_ptr(), copy_position.data_ptr(), copy_slot.data_ptr(),
+        copy_location.data_ptr(), summary.data_ptr(),
+    )  # fmt: skip
+    if status == _STATUS_HOT_CACHE_TOO_SMALL:
+        r = int(torch.nonzero(summary[:, 0] != 0)[0, 0])
+        misses = int(summary[r, 1] - summary[r, 3] - summary[r, 4])
+        raise HotCacheOverflowError(
+            f"request row {r} misses {misses} rows but its hot cache of {num_slots} slots cannot take them; "
+            "raise hot_rows (B) to at least the number of distinct rows one step can select"
+        )
+    if status != 0:
+        raise ValueError(f"native resolver rejected its arguments (status {status})")
+    copy_rows, copy_cols = torch.nonzero(copy_position >= 0, as_tuple=True)
+    return Resolution(
+        locations=locations,
+        steps=steps,
+        hot_pos=new_pos,
+        hot_stamp=new_stamp,
+        copy_request=copy_rows,
+        copy_position=copy_position[copy_rows, copy_cols],
+        copy_slot=copy_slot[copy_rows, copy_cols],
+        copy_location=copy_location[copy_rows, copy_cols],
+        counts=summary[:, 3:6].to(torch.int64),
+    )
