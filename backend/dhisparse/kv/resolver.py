@@ -172,11 +172,11 @@ def resolve(
 
     # New LRU state: hit slots and victim slots take the current stamp; victims take their miss.
     touched = torch.where(hot | miss_first, slot, num_slots)
-    new_stamp = torch.cat([hot_stamp, hot_stamp[:, :1]], dim=1).scatter(
+    new_stamp = torch.cat([hot_stamp, hot_stamp.new_zeros(num_requests, 1)], dim=1).scatter(
         1, touched, torch.full_like(touched, int(stamp))
     )[:, :num_slots]
     placed = torch.where(miss_first, victim, num_slots)
-    new_pos = torch.cat([hot_pos, hot_pos[:, :1]], dim=1).scatter(1, placed, sorted_pos)[:, :num_slots]
+    new_pos = torch.cat([hot_pos, hot_pos.new_zeros(num_requests, 1)], dim=1).scatter(1, placed, sorted_pos)[:, :num_slots]
 
     copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
     copy_slot = victim[copy_rows, copy_cols]

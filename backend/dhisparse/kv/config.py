@@ -1,0 +1,157 @@
+"""What the KV hierarchy stores (:class:`KVLayout`) and how it is budgeted (:class:`KVConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dhisparse.errors import ConfigError
+
+KV_POLICIES = ("resident", "hisparse", "adaptive")
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class AdmissionError(ConfigError):
+    """A request that could never be admitted, even on an empty pool; the message says what to change."""
+
+
+def _ints(values: Any, name: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except TypeError as exc:
+        raise ConfigError(f"{name} must be a sequence of integers") from exc
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV streams of one model.
+
+    Attributes:
+        num_layers: decoder layers.
+        source_of_layer: ``[num_layers]`` KV source read by each layer; sources are ``0 .. S-1`` and each is
+            read by at least one layer (identity for the real families; several layers may share one).
+        row_dim: values per row (one token in one source), e.g. ``kv_lora_rank + qk_rope_head_dim``.
+        dtype: element type of rows and indexer keys.
+        indexer_layers: layers that own an indexer and keep one key of ``index_key_dim`` values per token.
+        index_key_dim: values per indexer key.
+        index_groups: GLM-style sharing: each group is a layer with an indexer followed by the layers that
+            reuse its top-k positions (their sources are resolved and prefetched with the first layer's).
+        index_topk: the most positions one query selects per layer.
+    """
+
+    num_layers: int
+    source_of_layer: tuple[int, ...]
+    row_dim: int
+    dtype: torch.dtype
+    indexer_layers: tuple[int, ...]
+    index_key_dim: int
+    index_topk: int
+    index_groups: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "source_of_layer", _ints(self.source_of_layer, "source_of_layer"))
+        object.__setattr__(self, "indexer_layers", _ints(self.indexer_layers, "indexer_layers"))
+        object.__setattr__(self, "index_groups", tuple(_ints(g, "index_groups") for g in self.index_groups))
+        if self.num_layers < 1:
+            raise ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        if len(self.source_of_layer) != self.num_layers:
+            raise ConfigError(
+                f"source_of_layer has {len(self.source_of_layer)} entries for {self.num_layers} layers"
+            )
+        if sorted(set(self.source_of_layer)) != list(range(max(self.source_of_layer) + 1)):
+            raise ConfigError("source_of_layer must use every source 0 .. S-1 (and no negative source)")
+        if self.row_dim < 1 or self.index_key_dim < 1 or self.index_topk < 1:
+            raise ConfigError("row_dim, index_key_dim and index_topk must all be >= 1")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
+        for layer in self.indexer_layers:
+            if not 0 <= layer < self.num_layers:
+                raise ConfigError(f"indexer layer {layer} is outside 0 .. {self.num_layers - 1}")
+        seen: set[int] = set()
+        for group in self.index_groups:
+            if not group:
+                raise ConfigError("index_groups must not contain an empty group")
+            if group[0] not in self.indexer_layers:
+                raise ConfigError(f"index group {group} must start with a layer that has an indexer")
+            for layer in group:
+                if not 0 <= layer < self.num_layers or layer in seen:
+                    raise ConfigError(f"layer {layer} of index group {group} is out of range or in two groups")
+                seen.add(layer)
+
+    @property
+    def num_sources(self) -> int:
+        return max(self.source_of_layer) + 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_dim * self.dtype.itemsize
+
+    @property
+    def index_key_bytes(self) -> int:
+        return self.index_key_dim * self.dtype.itemsize
+
+    def group_of_layer(self, layer: int) -> tuple[int, ...]:
+        """The layers resolved together with ``layer`` when it leads a group (else just ``(layer,)``)."""
+        for group in self.index_groups:
+            if group[0] == layer:
+                return group
+        return (layer,)
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Budget and policy of the KV hierarchy (engine config, ``dhisparse-build`` flags, ``LLM(...)``).
+
+    Attributes:
+        policy: ``resident`` (all KV on device; admitted only if all of it fits), ``hisparse`` (hot cache of
+            ``hot_rows`` per request and source, host is the source of truth, eager backup) or ``adaptive``
+            (hisparse plus optional device residency of imported pages while memory is spare).
+        pool_bytes: device KV budget in bytes; everything the manager keeps on device is carved from it.
+        hot_rows: ``B``, hot-cache rows per request and source (ignored by ``resident``).
+        page_rows: rows per page.
+        reserve_bytes: admission reserve kept free at every change.
+        refill_pages_per_step: the most optional pages (of any source) refilled from host per ``poll()``.
+        max_query_len: the most new tokens per request per step: 1, or ``gamma + 1`` when speculating.
+    """
+
+    policy: str = "adaptive"
+    pool_bytes: int = 1 << 30
+    hot_rows: int = 2048
+    page_rows: int = 64
+    reserve_bytes: int = 0
+    refill_pages_per_step: int = 8
+    max_query_len: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in KV_POLICIES:
+            raise ConfigError(f"kv policy must be one of {KV_POLICIES}, got {self.policy!r}")
+        if self.pool_bytes < 1:
+            raise ConfigError(f"pool_bytes must be positive, got {self.pool_bytes}")
+        if self.page_rows < 1:
+            raise ConfigError(f"page_rows must be >= 1, got {self.page_rows}")
+        if self.hot_rows < 0 or self.reserve_bytes < 0 or self.refill_pages_per_step < 0:
+            raise ConfigError("hot_rows, reserve_bytes and refill_pages_per_step must be >= 0")
+        if self.reserve_bytes >= self.pool_bytes:
+            raise ConfigError(
+                f"reserve_bytes ({self.reserve_bytes}) must be smaller than pool_bytes ({self.pool_bytes})"
+            )
+        if self.max_query_len < 1:
+            raise ConfigError(f"max_query_len must be >= 1, got {self.max_query_len}")
+
+    @property
+    def uses_host(self) -> bool:
+        """Whether history lives in the host store (every policy but ``resident``)."""
+        return self.policy != "resident"
+
+    def validate_for(self, layout: KVLayout) -> None:
+        """Refuse combinations with ``layout`` that cannot work (the message says what to change)."""
+        if not self.uses_host:
+            return
+        need = self.max_query_len * layout.index_topk
+        if self.hot_rows < need:
+            raise ConfigError(
+                f"hot_rows (B={self.hot_rows}) must hold one step's selection: max_query_len "
+                f"({self.max_query_len}) x index_topk ({layout.index_topk}) = {need}; raise hot_rows to >= {need}"
+            )

@@ -1,0 +1,192 @@
+"""Two-phase copies between tiers (issued → done) and the reader fence that makes frees safe.
+
+Every movement of rows between the host store, the device arena and staging tensors is a
+:class:`CopyTicket`: ``dst[dst_rows] = src[src_rows]`` along dim 0. Issuing never makes the data visible;
+the copy is *done* at a defined later point, and only then does its ``on_done`` callback run (which is
+where the manager marks a host page valid, maps a refilled page, or retires a backed-up page).
+
+- **CPU**: copies are deferred. They are performed, in issue order, by :meth:`CopyEngine.poll` (the
+  manager's ``poll()``/step boundary) or by :meth:`CopyEngine.wait` (which completes every copy issued up
+  to the awaited one, like a stream). Reading a destination before its copy is done therefore returns
+  stale data, so a missing wait shows up as wrong rows in tests rather than going unnoticed.
+- **CUDA**: copies run on a dedicated copy stream ordered after the work already issued on the current
+  stream; a CUDA event marks completion. Host→device copies gather the rows into pinned staging first;
+  device→host copies land in pinned staging and are scattered into the host store when done.
+
+:class:`ReaderFence` counts *reader epochs* (one per decode/verification step). A page retired at epoch
+``e`` (``fence.issued`` at the decision) may be freed once ``fence.completed >= e``: every reader issued
+before the decision has finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class CopyTicket:
+    """One issued copy. ``done`` turns true exactly once, right before ``on_done`` runs."""
+
+    ticket_id: int
+    kind: str
+    num_rows: int
+    on_done: Callable[[], None] | None = None
+    done: bool = False
+    # CPU: the deferred operation; CUDA: completion event and tensors kept alive until then.
+    _run: Callable[[], None] | None = field(default=None, repr=False)
+    _event: object | None = field(default=None, repr=False)
+    _finish: Callable[[], None] | None = field(default=None, repr=False)
+
+
+class CopyEngine:
+    """Issues row copies between tiers and completes them at defined points (see module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+        self._pending: deque[CopyTicket] = deque()
+        self._next_id = 0
+        self.rows_copied: dict[str, int] = {}
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def pending_kinds(self) -> list[str]:
+        return [t.kind for t in self._pending]
+
+    def issue(
+        self,
+        kind: str,
+        dst: torch.Tensor,
+        dst_rows: torch.Tensor,
+        src: torch.Tensor,
+        src_rows: torch.Tensor,
+        on_done: Callable[[], None] | None = None,
+    ) -> CopyTicket:
+        """Issue ``dst[dst_rows] = src[src_rows]`` (rows along dim 0; index tensors int64, any device).
+
+        ``src`` rows must not change and ``dst`` rows must not be read until the ticket is done.
+        """
+        ticket = CopyTicket(self._next_id, kind, int(dst_rows.numel()), on_done)
+        self._next_id += 1
+        dst_rows = dst_rows.to(dst.device)
+        src_rows = src_rows.to(src.device)
+        if not self.is_cuda:
+            ticket._run = lambda: dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
+        else:
+            self._issue_cuda(ticket, dst, dst_rows, src, src_rows)
+        self._pending.append(ticket)
+        return ticket
+
+    def _issue_cuda(
+        self, ticket: CopyTicket, dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
+        src_rows: torch.Tensor,
+    ) -> None:
+        stream = self._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            if src.device.type == "cpu" and dst.device.type == "cpu":
+                dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
+                keep: tuple = ()
+            elif src.device.type == "cpu":
+                staged = src.index_select(0, src_rows).pin_memory()
+                moved = staged.to(dst.device, non_blocking=True)
+                dst.index_copy_(0, dst_rows, moved)
+                keep = (staged, moved, dst_rows)
+            elif dst.device.type == "cpu":
+                gathered = src.index_select(0, src_rows)
+                staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                staged.copy_(gathered, non_blocking=True)
+                keep = (gathered, src_rows)
+                ticket._finish = lambda: dst.index_copy_(0, dst_rows, staged)
+            else:
+                dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
+                keep = (dst_rows, src_rows)
+            event = torch.cuda.Event()
+            event.record(stream)
+        ticket._event = (event, keep)
+
+    def _complete(self, ticket: CopyTicket) -> None:
+        if ticket._run is not None:
+            ticket._run()
+        elif ticket._event is not None:
+            ticket._event[0].synchronize()  # type: ignore[index]
+            if ticket._finish is not None:
+                ticket._finish()
+        ticket._run = ticket._event = ticket._finish = None
+        ticket.done = True
+        self.rows_copied[ticket.kind] = self.rows_copied.get(ticket.kind, 0) + ticket.num_rows
+        if ticket.on_done is not None:
+            ticket.on_done()
+
+    def _ready(self, ticket: CopyTicket) -> bool:
+        if ticket._event is None:
+            return True  # CPU: every issued copy completes at the next poll
+        return bool(ticket._event[0].query())  # type: ignore[index]
+
+    def poll(self) -> int:
+        """Complete the copies that are ready, oldest first (on CPU: all of them). Returns how many."""
+        count = 0
+        while self._pending and self._ready(self._pending[0]):
+            self._complete(self._pending.popleft())
+            count += 1
+        return count
+
+    def wait(self, ticket: CopyTicket | None) -> None:
+        """Block until ``ticket`` is done; every copy issued before it completes as well."""
+        while ticket is not None and not ticket.done:
+            self._complete(self._pending.popleft())
+
+    def wait_all(self) -> None:
+        while self._pending:
+            self._complete(self._pending.popleft())
+
+
+class ReaderFence:
+    """Counts reader epochs: ``begin()`` when a step's reads are issued, ``end()`` after its last read."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_cuda = device.type == "cuda"
+        self.device = device
+        self.issued = 0
+        self.completed = 0
+        self._events: deque[tuple[int, object]] = deque()
+
+    @property
+    def in_flight(self) -> bool:
+        return self.completed < self.issued
+
+    def begin(self) -> int:
+        self.issued += 1
+        return self.issued
+
+    def end(self) -> None:
+        """The current epoch's reads are all issued. On CPU they are also finished (reads are synchronous)."""
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._events.append((self.issued, event))
+        else:
+            self.completed = self.issued
+
+    def poll(self) -> None:
+        while self._events and self._events[0][1].query():  # type: ignore[attr-defined]
+            self.completed = self._events.popleft()[0]
+
+    def finished(self, epoch: int) -> bool:
+        """Whether every reader of epochs ``<= epoch`` has finished."""
+        self.poll()
+        return self.completed >= epoch
+
+    def wait(self, epoch: int) -> None:
+        while self.completed < epoch and self._events:
+            epoch_done, event = self._events.popleft()
+            event.synchronize()  # type: ignore[attr-defined]
+            self.completed = epoch_done

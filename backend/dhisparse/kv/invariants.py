@@ -1,0 +1,135 @@
+"""check_invariants(): the KV hierarchy's invariants, checked by code (tests call it after every operation)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID
+from dhisparse.kv.request_state import (
+    OPT_BACKING_UP,
+    OPT_ON_DEVICE,
+    OPT_READY,
+    OPT_REFILL_CANCELLED,
+    OPT_REFILLING,
+    OPT_RETIRED,
+    RequestKV,
+)
+
+if TYPE_CHECKING:
+    from dhisparse.kv.manager import KVManager
+
+
+class InvariantError(AssertionError):
+    """An invariant of the KV hierarchy is broken; the message names it."""
+
+
+def _fail(name: str, detail: str) -> None:
+    raise InvariantError(f"invariant '{name}' broken: {detail}")
+
+
+def _isin(state: torch.Tensor, values: tuple[int, ...]) -> torch.Tensor:
+    out = torch.zeros_like(state, dtype=torch.bool)
+    for v in values:
+        out |= state == v
+    return out
+
+
+def check_manager_invariants(m: KVManager) -> None:
+    pool, cfg = m.pool, m.config
+    if pool.used_bytes > pool.pool_bytes:
+        _fail("budget", f"required {pool.required_bytes} + optional {pool.optional_bytes} + reserve "
+                        f"{pool.reserve_bytes} > pool {pool.pool_bytes}")
+    alive = [*m.requests.values(), *(r for r, _ in m.releasing)]
+    required = sum(r.footprint.required_bytes for r in alive)
+    if required != pool.required_bytes:
+        _fail("required accounting", f"pool says {pool.required_bytes}, requests hold {required}")
+    optional = sum(r.optional_pages_on_device() for r in alive) * pool.page_bytes
+    if optional != pool.optional_bytes:
+        _fail("optional accounting", f"pool says {pool.optional_bytes}, requests hold {optional}")
+    owned = [torch.cat([r.tail_ring.reshape(-1), r.hot_pages.reshape(-1), r.opt_page[r.opt_page >= 0]])
+             for r in alive]
+    owned_pages = torch.cat(owned) if owned else torch.zeros(0, dtype=torch.int64)
+    if owned_pages.unique().numel() != owned_pages.numel():
+        _fail("page ownership", "an arena page is owned twice")
+    if bool(pool.is_free(owned_pages).any()):
+        _fail("page ownership", "an owned arena page is in the free list")
+    if pool.num_pages - pool.free_pages != owned_pages.numel():
+        _fail("page ownership", f"{pool.num_pages - pool.free_pages} pages allocated, "
+                                f"{owned_pages.numel()} owned")
+    if cfg.uses_host:
+        host = torch.cat([r.host_pages.reshape(-1) for r in alive if r.host_pages is not None] or
+                         [torch.zeros(0, dtype=torch.int64)])
+        if host.unique().numel() != host.numel() or host.numel() != m.host.used_pages:
+            _fail("host ownership", f"{m.host.used_pages} host pages used, {host.numel()} owned")
+    for req in m.requests.values():
+        _check_request(m, req)
+    if not alive and not m.waiting:
+        if pool.required_bytes or pool.optional_bytes or pool.free_pages != pool.num_pages:
+            _fail("empty pool", "no request is alive but the pool is not empty")
+        if m.host.used_pages:
+            _fail("empty pool", "no request is alive but host pages are in use")
+
+
+def _check_request(m: KVManager, req: RequestKV) -> None:
+    rid, page_rows = req.request_id, m.config.page_rows
+    table = req.page_table.cpu()
+    mapped = table >= 0
+    step_open = m.step is not None and any(r is req for r in m.step.requests)
+    if not req.imported:
+        if bool(mapped.any()):
+            _fail("page table", f"{rid}: pages mapped before import")
+        return
+    used_pages = -(-req.length // page_rows)
+    # Tail pages map to their ring slot.
+    for i in range(req.tail_first, used_pages):
+        if not torch.equal(table[:, i], req.tail_ring[:, i % req.tail_pages]):
+            _fail("tail map", f"{rid}: page {i} is not mapped to ring slot {i % req.tail_pages}")
+    if not step_open and bool(mapped[:, used_pages:].any()):
+        _fail("tail map", f"{rid}: a page past the accepted length is mapped between steps")
+    # Optional pages: mapped exactly when ready (or ready and being backed up).
+    state = req.opt_state
+    should_map = _isin(state, (OPT_READY, OPT_BACKING_UP))
+    pp = req.prompt_pages
+    if pp:
+        if not torch.equal(mapped[:, :pp], should_map):
+            _fail("optional map", f"{rid}: mapped optional pages differ from ready ones")
+        if not torch.equal(table[:, :pp][should_map], req.opt_page[should_map]):
+            _fail("optional map", f"{rid}: page table points at another arena page than opt_page")
+        on = _isin(state, OPT_ON_DEVICE)
+        if not torch.equal(on, req.opt_page >= 0):
+            _fail("optional state", f"{rid}: arena page held in a state that holds none (or vice versa)")
+        hstate = req.host_state[:, :pp]
+        if bool((_isin(state, (OPT_REFILLING, OPT_RETIRED, OPT_REFILL_CANCELLED)) & (hstate != HOST_VALID)).any()):
+            _fail("optional state", f"{rid}: refilling or retired page without a valid host copy")
+        if bool(((state == OPT_BACKING_UP) & (hstate != HOST_PENDING)).any()):
+            _fail("optional state", f"{rid}: page backing up without a pending host copy")
+    elif req.tail_first > 0 and bool(mapped[:, : req.tail_first].any()):
+        _fail("page table", f"{rid}: a page before the tail is mapped without being optional")
+    if not m.config.uses_host:
+        if not bool(mapped[:, :used_pages].all()):
+            _fail("resident", f"{rid}: a page of the history is not on device")
+        return
+    # Every row is ready on device or has a host copy (or is being imported from the held prefill rows).
+    hstate = req.host_state[:, :used_pages]
+    importing = req.import_ticket is not None and not req.import_ticket.done
+    covered = mapped[:, :used_pages] | (hstate == HOST_VALID)
+    if importing:
+        covered |= hstate == HOST_PENDING
+    if not bool(covered.all()):
+        s, i = (int(v) for v in torch.nonzero(~covered)[0])
+        _fail("row coverage", f"{rid}: page {i} of source {s} is neither on device nor on host")
+    # Hot cache: distinct positions of the history, each with a valid host copy.
+    hot = req.hot_pos.cpu()
+    for s in range(req.num_sources):
+        held = hot[s][hot[s] >= 0]
+        if held.unique().numel() != held.numel():
+            _fail("hot cache", f"{rid}: source {s} holds a position twice")
+        if held.numel() and (int(held.max()) >= req.length or
+                             bool((req.host_state[s, held // page_rows] != HOST_VALID).any())):
+            _fail("hot cache", f"{rid}: source {s} holds a row past the length or without a host copy")
+    expected_loc = (req.hot_pages.unsqueeze(-1) * page_rows + torch.arange(page_rows)).reshape(
+        req.num_sources, -1)[:, : req.hot_loc.shape[1]]
+    if not torch.equal(req.hot_loc.cpu(), expected_loc):
+        _fail("hot cache", f"{rid}: slot locations are not the rows of its hot pages")

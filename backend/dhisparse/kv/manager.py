@@ -1,0 +1,336 @@
+"""KVManager: the engine's one interface to the KV hierarchy (admission, steps, release, progress).
+
+Tiers: :class:`HostStore` (full history), :class:`DevicePool` (arena + byte accounting), per request and
+source a hot cache of ``B`` rows, a tail ring and (adaptive) optional pages; copies between them are
+two-phase (:class:`CopyEngine`), frees are fenced by reader epochs (:class:`ReaderFence`).
+
+Call protocol (single-threaded, the engine loop):
+``try_admit`` → (prefill) → ``import_prompt`` → repeatedly ``begin_step`` → per layer ``write`` /
+``index_keys`` / ``gather`` → ``end_step`` → ``poll`` … → ``release``. ``try_admit`` and ``release`` may be
+called between steps; at most one step is open at a time.
+
+Reclaim order (adaptive, when an admission's required memory does not fit): running requests holding
+reclaimable optional pages, fewest remaining decode tokens (``max_new_tokens - generated``) first, ties
+by most recently admitted first; *all* optional pages of one request at a time until the pages already
+leaving the device plus those taken cover the deficit. If every reclaimable page together cannot cover
+it, nothing is reclaimed and the admission waits (``try_admit`` returns False; the caller retries later).
+While any admission waits, refill is paused.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dhisparse.kv import residency
+from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
+from dhisparse.kv.copies import CopyEngine, ReaderFence
+from dhisparse.kv.device_pool import DevicePool
+from dhisparse.kv.footprint import Footprint, request_footprint
+from dhisparse.kv.host_store import HostStore
+from dhisparse.kv.invariants import check_manager_invariants
+from dhisparse.kv.request_state import RequestKV
+from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
+from dhisparse.kv.step import StepKV
+from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
+
+
+class KVManager:
+    """Load-adaptive KV hierarchy for one model (see the module docstring for the protocol)."""
+
+    def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device | str = "cpu",
+                 poison_freed: bool = False) -> None:
+        config.validate_for(layout)
+        self.layout, self.config = layout, config
+        self.device = torch.device(device)
+        self.indexer_layers = frozenset(layout.indexer_layers)
+        self.pool = DevicePool(layout, config, self.device, poison_freed)
+        self.host = HostStore(layout, config.page_rows, self.device, poison_freed)
+        self.copies = CopyEngine(self.device)
+        self.fence = ReaderFence(self.device)
+        self.requests: dict[str, RequestKV] = {}
+        self.releasing: list[tuple[RequestKV, int]] = []  # (request, epoch at release)
+        self.waiting: dict[str, tuple[float, int]] = {}  # id -> (time, step) the wait began
+        self.counters: dict[str, float] = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+        self._admissions = 0
+        self._steps = 0
+        self._refill_cursor = 0
+        self.step: StepKV | None = None
+
+    # ---------------------------------------------------------------------------------------- admission
+    def required_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Device bytes a request reserves at admission under the configured policy."""
+        return request_footprint(self.layout, self.config, prompt_len, max_new_tokens).required_bytes
+
+    def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
+        """Reserve the request's required memory; False = not now (keep it queued).
+
+        Raises :class:`AdmissionError` if it could never be admitted, even on an empty pool."""
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        fp = request_footprint(self.layout, self.config, prompt_len, max_new_tokens)
+        if fp.required_bytes + self.config.reserve_bytes > self.config.pool_bytes:
+            raise AdmissionError(
+                f"request {request_id!r} needs {fp.required_bytes} device bytes ({self.config.policy}: prompt "
+                f"{prompt_len} + max_new_tokens {max_new_tokens}) but pool_bytes {self.config.pool_bytes} - "
+                f"reserve_bytes {self.config.reserve_bytes} leaves {self.config.pool_bytes - self.config.reserve_bytes}"
+                "; raise pool_bytes, lower reserve_bytes or max_new_tokens"
+                + ("" if self.config.uses_host else ", or use kv policy 'adaptive' / 'hisparse'")
+            )
+        self._free_safe()
+        deficit = fp.required_bytes - self.pool.spare_bytes
+        if deficit > 0 and self.config.policy == "adaptive":
+            self._reclaim_for(deficit)
+            self._free_safe()
+            deficit = fp.required_bytes - self.pool.spare_bytes
+        if deficit > 0:
+            self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
+            self.check_budget()
+            return False
+        self._admit(request_id, prompt_len, max_new_tokens, fp)
+        return True
+
+    def _reclaim_for(self, deficit: int) -> None:
+        page_bytes = self.pool.page_bytes
+        coming = page_bytes * sum(residency.outgoing_pages(r) for r in self.requests.values())
+        coming += sum(r.footprint.required_bytes for r, _ in self.releasing)
+        if coming >= deficit:
+            return
+        order = sorted(
+            (r for r in self.requests.values() if residency.reclaimable_pages(r) > 0),
+            key=lambda r: (r.prompt_len + r.max_new_tokens - r.length, -r.admit_order),
+        )
+        if coming + page_bytes * sum(residency.reclaimable_pages(r) for r in order) < deficit:
+            return  # optional pages cannot cover it: the admission waits, nothing is reclaimed
+        for req in order:
+            taken = residency.reclaim_request(req, self.pool, self.host, self.copies, self.fence)
+            self.counters["optional_pages_reclaimed"] += taken
+            self.counters["reclaim_events"] += 1
+            coming += taken * page_bytes
+            if coming >= deficit:
+                break
+
+    def _admit(self, request_id: str, prompt_len: int, max_new_tokens: int, fp: Footprint) -> None:
+        layout, cfg, dev = self.layout, self.config, self.device
+        sources = layout.num_sources
+        self.pool.reserve_required(fp.required_bytes)
+        pages = self.pool.allocate(sources * fp.device_pages).view(sources, fp.device_pages)
+        hot_pages = pages[:, fp.tail_pages :].contiguous()
+        hot_rows = cfg.hot_rows if cfg.uses_host else 0
+        hot_loc = self.pool.page_rows_of(hot_pages.reshape(-1)).view(sources, -1)[:, :hot_rows].contiguous()
+        host_pages = None
+        if cfg.uses_host:
+            host_pages = self.host.allocate(sources * fp.num_pages, self.copies.wait_all).view(sources, -1)
+        prompt_pages = prompt_len // cfg.page_rows if cfg.policy == "adaptive" else 0
+        req = RequestKV(
+            request_id=request_id, prompt_len=prompt_len, max_new_tokens=max_new_tokens, footprint=fp,
+            admit_order=self._admissions,
+            page_table=torch.full((sources, fp.num_pages), -1, dtype=torch.int64, device=dev),
+            tail_ring=pages[:, : fp.tail_pages].contiguous(), hot_pages=hot_pages,
+            hot_pos=torch.full((sources, hot_rows), -1, dtype=torch.int64, device=dev),
+            hot_stamp=torch.zeros((sources, hot_rows), dtype=torch.int64, device=dev),
+            hot_loc=hot_loc.to(dev), host_pages=host_pages,
+            host_state=torch.zeros((sources, fp.num_pages), dtype=torch.int8),
+            opt_state=torch.zeros((sources, prompt_pages), dtype=torch.int8),
+            opt_page=torch.full((sources, prompt_pages), -1, dtype=torch.int64),
+            opt_retire_epoch=torch.zeros((sources, prompt_pages), dtype=torch.int64),
+            index_keys={
+                layer: torch.zeros(fp.capacity_rows, layout.index_key_dim, dtype=layout.dtype, device=dev)
+                for layer in layout.indexer_layers
+            },
+            ring_free_epoch=torch.zeros(fp.tail_pages, dtype=torch.int64),
+        )
+        self._admissions += 1
+        self.requests[request_id] = req
+        self.counters["admissions"] += 1
+        began = self.waiting.pop(request_id, None)
+        if began is not None:
+            waited_s = time.monotonic() - began[0]
+            self.counters["admissions_waited"] += 1
+            self.counters["admission_wait_seconds"] += waited_s
+            self.counters["admission_wait_steps"] += self._steps - began[1]
+            req.add_stat("admission_wait_seconds", waited_s)
+        self.check_budget()
+
+    def import_prompt(self, request_id: str, rows: torch.Tensor, index_keys: dict[int, torch.Tensor]) -> None:
+        """Hand over the prefill's KV: ``rows`` ``[num_sources, T, row_dim]``, ``index_keys`` ``{layer:
+        [T, index_key_dim]}`` for every indexer layer, ``T == prompt_len``. The manager may keep a reference
+        to ``rows`` until its host copy is done (next ``poll``/step); do not modify it in place."""
+        req = self._running(request_id)
+        if req.imported:
+            raise ValueError(f"request {request_id!r} was already imported")
+        want = (self.layout.num_sources, req.prompt_len, self.layout.row_dim)
+        if tuple(rows.shape) != want:
+            raise ValueError(f"import_prompt: rows must be {list(want)}, got {list(rows.shape)}")
+        if set(index_keys) != set(self.indexer_layers):
+            raise ValueError(f"import_prompt: index_keys must cover layers {sorted(self.indexer_layers)}")
+        for layer, keys in index_keys.items():
+            if tuple(keys.shape) != (req.prompt_len, self.layout.index_key_dim):
+                raise ValueError(f"import_prompt: index_keys[{layer}] must be [{req.prompt_len}, "
+                                 f"{self.layout.index_key_dim}], got {list(keys.shape)}")
+            req.index_keys[layer][: req.prompt_len] = keys.to(self.device, self.layout.dtype)
+        rows = rows.to(dtype=self.layout.dtype)
+        residency.import_prompt_rows(req, rows, self.config.policy, self.pool, self.host, self.copies)
+        req.imported = True
+        self.check_budget()
+
+    # ---------------------------------------------------------------------------------------- steps
+    def begin_step(self, request_ids: list[str], query_len: int) -> StepKV:
+        """Open a step of ``query_len`` new tokens for each request (positions ``len .. len+Q-1``)."""
+        if self.step is not None:
+            raise RuntimeError("a step is already open; call end_step first")
+        if not request_ids or len(set(request_ids)) != len(request_ids):
+            raise ValueError("begin_step needs a non-empty list of distinct request ids")
+        if not 1 <= query_len <= self.config.max_query_len:
+            raise ValueError(f"query_len must be in 1 .. max_query_len={self.config.max_query_len}")
+        reqs = [self._running(rid) for rid in request_ids]
+        for req in reqs:
+            if not req.imported:
+                raise ValueError(f"request {req.request_id!r} has no imported prompt yet")
+            last = req.length + query_len - 1
+            if last >= req.footprint.capacity_rows:
+                raise ValueError(f"request {req.request_id!r} would exceed prompt_len + max_new_tokens")
+            self.copies.wait(req.import_ticket)
+            map_tail_pages(req, last, self.config.page_rows, self.copies, self.fence)
+        self.fence.begin()
+        self._steps += 1
+        self.step = StepKV(self, reqs, query_len, stamp=self._steps)
+        return self.step
+
+    def end_step(self, accepted: dict[str, int]) -> None:
+        """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest."""
+        step = self.step
+        if step is None:
+            raise RuntimeError("no step is open")
+        q = step.query_len
+        if set(accepted) != {r.request_id for r in step.requests}:
+            raise ValueError("end_step needs an accepted count for exactly the step's requests")
+        for b, req in enumerate(step.requests):
+            keep = int(accepted[req.request_id])
+            if not 0 <= keep <= q:
+                raise ValueError(f"accepted[{req.request_id!r}] = {keep} is outside 0 .. {q}")
+            start = req.length
+            for keys in req.index_keys.values():
+                keys[start + keep : start + q] = 0
+            req.length = start + keep
+            unmap_rejected(req, start + q, self.config.page_rows)
+            req.hot_pos.copy_(step.hot_pos[b])
+            req.hot_stamp.copy_(step.hot_stamp[b])
+            direct, hot, host = (float(v) for v in step.counts[b].tolist())
+            for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
+                                ("host_fetched_bytes", host * self.layout.row_bytes)):
+                req.add_stat(name, value)
+                self.counters[name] += value
+            if self.config.uses_host:
+                n = back_up_complete_pages(req, self.pool, self.host, self.copies, self.fence,
+                                           self.config.page_rows)
+                self.counters["tail_pages_backed_up"] += n
+        step.closed = True
+        self.step = None
+        self.fence.end()
+        self.counters["steps"] += 1
+
+    # ---------------------------------------------------------------------------------------- progress
+    def poll(self) -> None:
+        """Complete ready copies, free what is safe to free, refill optional pages (bounded, round-robin)."""
+        self.copies.poll()
+        self._free_safe()
+        if self.config.policy == "adaptive" and not self.waiting and self.step is None:
+            self._refill()
+        self.check_budget()
+
+    def _refill(self) -> None:
+        order = sorted(self.requests.values(), key=lambda r: r.admit_order)
+        budget = self.config.refill_pages_per_step
+        if not order or budget == 0:
+            return
+        idle = 0
+        i = self._refill_cursor % len(order)
+        while budget > 0 and idle < len(order):
+            req = order[i]
+            i = (i + 1) % len(order)
+            if req.imported and residency.refill_one_page(req, self.pool, self.host, self.copies, self.fence):
+                budget -= 1
+                idle = 0
+                self.counters["optional_pages_refill_issued"] += 1
+            else:
+                idle += 1
+            if self.pool.spare_bytes < self.pool.page_bytes:
+                break
+        self._refill_cursor = i
+
+    def _free_safe(self) -> None:
+        for req in self.requests.values():
+            residency.free_retired_pages(req, self.pool, self.fence)
+        still = []
+        for req, epoch in self.releasing:
+            if req.live_tickets() or not self.fence.finished(epoch):
+                still.append((req, epoch))
+            else:
+                self._free_request(req)
+        self.releasing = still
+
+    def release(self, request_id: str) -> None:
+        """Finish or cancel: a waiting request is forgotten; an admitted one gives back every tier once its
+        copies are done and the readers issued before now have finished."""
+        if request_id in self.waiting and request_id not in self.requests:
+            del self.waiting[request_id]
+            return
+        req = self._running(request_id)
+        if self.step is not None and any(r is req for r in self.step.requests):
+            raise RuntimeError(f"request {request_id!r} is part of the open step; end the step first")
+        del self.requests[request_id]
+        self.releasing.append((req, self.fence.issued))
+        self.counters["releases"] += 1
+        self._free_safe()
+
+    def _free_request(self, req: RequestKV) -> None:
+        self.counters["optional_pages_refilled"] += req.stats.get("optional_pages_refilled", 0.0)
+        residency.free_retired_pages(req, self.pool, self.fence)
+        on_device = req.opt_page[req.opt_page >= 0]
+        self.pool.free(on_device, optional=True)
+        self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1)]))
+        if req.host_pages is not None:
+            self.host.free(req.host_pages)
+        self.pool.release_required(req.footprint.required_bytes)
+
+    # ---------------------------------------------------------------------------------------- reporting
+    def stats(self) -> dict[str, float]:
+        """Engine-wide counters and gauges (names and units in docs/kv.md)."""
+        out = dict(self.counters)
+        out["required_bytes"] = float(self.pool.required_bytes)
+        out["optional_bytes"] = float(self.pool.optional_bytes)
+        out["reserve_bytes"] = float(self.pool.reserve_bytes)
+        out["pool_bytes"] = float(self.pool.pool_bytes)
+        out["spare_bytes"] = float(self.pool.spare_bytes)
+        out["optional_pages_resident"] = float(sum(request_gauges(r)["optional_pages_resident"]
+                                                   for r in self.requests.values()))
+        alive = [*self.requests.values(), *(r for r, _ in self.releasing)]
+        out["optional_pages_refilled"] += sum(r.stats.get("optional_pages_refilled", 0.0) for r in alive)
+        out["requests_running"] = float(len(self.requests))
+        out["requests_waiting"] = float(len(self.waiting))
+        out["requests_releasing"] = float(len(self.releasing))
+        out["copies_pending"] = float(self.copies.num_pending)
+        out["host_pages_used"] = float(self.host.used_pages)
+        return out
+
+    def request_stats(self, request_id: str) -> dict[str, float]:
+        """Per-request counters and gauges (names and units in docs/kv.md)."""
+        req = self._running(request_id)
+        out = {name: req.stats.get(name, 0.0) for name in REQUEST_COUNTERS}
+        out.update(request_gauges(req))
+        return out
+
+    def check_budget(self) -> None:
+        self.pool.check_budget()
+
+    def check_invariants(self) -> None:
+        """Raise :class:`InvariantError` naming the first broken invariant (see invariants.py)."""
+        check_manager_invariants(self)
+
+    def _running(self, request_id: str) -> RequestKV:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not admitted") from None

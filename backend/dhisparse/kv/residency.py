@@ -1,0 +1,191 @@
+"""Named operations that move a request's pages between tiers: import, reclaim, refill and safe free.
+
+Optional-page state machine (``OPT_*`` in :mod:`request_state`, per source and complete prompt page)::
+
+    import (memory spare) ─► READY ──reclaim, host copy valid──────────────► RETIRED ──readers done──► ABSENT
+                              │  └─reclaim, backup deferred─► BACKING_UP ─copy done─┘                    │
+    refill ─► REFILLING ──copy done──► READY                                                           │
+                 └─reclaim─► REFILL_CANCELLED ──copy done──► RETIRED                   ◄─── refill ◄───┘
+
+Safe free: a page is given back to the pool only from ``RETIRED``, which it enters after its host copy is
+valid (backup done or never needed) and after it was unmapped; it is freed once every reader issued
+before it was unmapped has finished (``opt_retire_epoch <= fence.completed``). Until it is unmapped it
+stays readable, so every row is ready on device or has a host copy at all times.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dhisparse.kv.copies import CopyEngine, ReaderFence
+from dhisparse.kv.device_pool import DevicePool
+from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID, HostStore
+from dhisparse.kv.request_state import (
+    OPT_ABSENT,
+    OPT_BACKING_UP,
+    OPT_READY,
+    OPT_REFILL_CANCELLED,
+    OPT_REFILLING,
+    OPT_RETIRED,
+    RequestKV,
+)
+
+CPU = torch.device("cpu")
+
+
+def _page_rows(pages: torch.Tensor, page_rows: int) -> torch.Tensor:
+    """Row indices of whole pages, page-major: ``[len(pages) * page_rows]`` int64 on ``pages.device``."""
+    return (pages.unsqueeze(1) * page_rows + torch.arange(page_rows, device=pages.device)).reshape(-1)
+
+
+def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: str, pool: DevicePool, host: HostStore,
+                       copies: CopyEngine) -> None:
+    """Place the prefill's rows ``[S, T, row_dim]``: tail and (adaptive) optional pages on device now,
+    the remaining complete pages to host through an ``import`` copy (``req.import_ticket``)."""
+    num_sources, length, _ = rows.shape
+    page_rows = pool.page_rows
+    device = pool.arena.device
+    flat = rows.reshape(num_sources * length, -1)
+    src_base = (torch.arange(num_sources) * length).unsqueeze(1)  # [S, 1]
+    req.length = length
+
+    # Tail: every page for resident, else the partial last page of the prompt.
+    req.tail_first = 0 if policy == "resident" else length // page_rows
+    first_tail_pos = req.tail_first * page_rows
+    if first_tail_pos < length:
+        pos = torch.arange(first_tail_pos, length)
+        pages = torch.arange(req.tail_first, -(-length // page_rows))
+        req.page_table[:, pages.to(device)] = req.tail_ring[:, pages % req.tail_pages].to(device)
+        dst = req.tail_ring[:, (pos // page_rows) % req.tail_pages] * page_rows + pos % page_rows
+        pool.arena.index_copy_(0, dst.reshape(-1).to(device), flat[(src_base + pos).reshape(-1).to(flat.device)]
+                               .to(device))
+    if policy == "resident":
+        return
+
+    # Complete prompt pages: adaptive keeps as many as the budget allows on device, page-major.
+    prompt_pages = req.prompt_pages if policy == "adaptive" else length // page_rows
+    order = torch.arange(prompt_pages).unsqueeze(0) * num_sources + torch.arange(num_sources).unsqueeze(1)
+    keep_count = 0
+    if policy == "adaptive":
+        keep_count = min(prompt_pages * num_sources, max(pool.spare_bytes, 0) // pool.page_bytes)
+    keep = order < keep_count  # [S, prompt_pages]
+    if keep_count > 0:
+        pages = pool.allocate(keep_count, optional=True)
+        ks, ki = torch.nonzero(keep, as_tuple=True)
+        # nonzero is source-major; assign allocated pages in page-major order for determinism
+        rank = order[ks, ki]
+        page_of = torch.empty(keep_count, dtype=torch.int64)
+        page_of[rank] = pages
+        req.opt_page[ks, ki] = page_of
+        req.opt_state[ks, ki] = OPT_READY
+        req.page_table[ks.to(device), ki.to(device)] = page_of.to(device)
+        src = (src_base[ks] + (ki * page_rows).unsqueeze(1) + torch.arange(page_rows)).reshape(-1)
+        pool.arena.index_copy_(0, _page_rows(page_of, page_rows).to(device), flat[src.to(flat.device)].to(device))
+    to_host = ~keep
+    hs, hi = torch.nonzero(to_host, as_tuple=True)
+    if hs.numel() == 0:
+        return
+    assert req.host_pages is not None
+    src = (src_base[hs] + (hi * page_rows).unsqueeze(1) + torch.arange(page_rows)).reshape(-1)
+    dst = _page_rows(req.host_pages[hs, hi], page_rows)
+    req.host_state[hs, hi] = HOST_PENDING
+
+    def done() -> None:
+        req.host_state[hs, hi] = HOST_VALID
+        req.import_ticket = None
+
+    req.import_ticket = copies.issue("import", host.rows, dst, flat, src, done)
+    req.tickets.append(req.import_ticket)
+
+
+def reclaimable_pages(req: RequestKV) -> int:
+    """Optional pages a reclaim decision would still take (ready or being refilled)."""
+    return int(((req.opt_state == OPT_READY) | (req.opt_state == OPT_REFILLING)).sum())
+
+
+def outgoing_pages(req: RequestKV) -> int:
+    """Optional pages already decided to leave the device but not yet freed."""
+    s = req.opt_state
+    return int(((s == OPT_BACKING_UP) | (s == OPT_RETIRED) | (s == OPT_REFILL_CANCELLED)).sum())
+
+
+def reclaim_request(req: RequestKV, pool: DevicePool, host: HostStore, copies: CopyEngine,
+                    fence: ReaderFence) -> int:
+    """Reclaim *all* optional pages of ``req``. Pages with a valid host copy are unmapped now; the others
+    stay mapped while their deferred backup (``reclaim_backup``: device→host) runs. Returns pages taken."""
+    device = pool.arena.device
+    state = req.opt_state
+    hv = req.host_state[:, : req.prompt_pages] == HOST_VALID
+    ready = state == OPT_READY
+    refilling = state == OPT_REFILLING
+    count = int(ready.sum() + refilling.sum())
+    state[refilling] = OPT_REFILL_CANCELLED
+    rs, ri = torch.nonzero(ready & hv, as_tuple=True)
+    if rs.numel():
+        req.page_table[rs.to(device), ri.to(device)] = -1
+        state[rs, ri] = OPT_RETIRED
+        req.opt_retire_epoch[rs, ri] = fence.issued
+    bs, bi = torch.nonzero(ready & ~hv, as_tuple=True)
+    if bs.numel():
+        assert req.host_pages is not None
+        state[bs, bi] = OPT_BACKING_UP
+        req.host_state[bs, bi] = HOST_PENDING
+        src = _page_rows(req.opt_page[bs, bi], pool.page_rows)
+        dst = _page_rows(req.host_pages[bs, bi], pool.page_rows)
+
+        def done() -> None:
+            req.host_state[bs, bi] = HOST_VALID
+            moving = req.opt_state[bs, bi] == OPT_BACKING_UP
+            ms, mi = bs[moving], bi[moving]
+            req.page_table[ms.to(device), mi.to(device)] = -1
+            req.opt_state[ms, mi] = OPT_RETIRED
+            req.opt_retire_epoch[ms, mi] = fence.issued
+
+        req.tickets.append(copies.issue("reclaim_backup", host.rows, dst, pool.arena, src, done))
+    req.add_stat("optional_pages_reclaimed", count)
+    return count
+
+
+def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: CopyEngine,
+                    fence: ReaderFence) -> bool:
+    """Refill the first missing optional page of ``req`` (page-major order) from host, if the budget
+    allows (``refill``: host→device). The page is mapped only when the copy is done."""
+    if pool.spare_bytes < pool.page_bytes:
+        return False
+    hv = req.host_state[:, : req.prompt_pages] == HOST_VALID
+    candidates = torch.nonzero(((req.opt_state == OPT_ABSENT) & hv).T)
+    if candidates.shape[0] == 0:
+        return False
+    i, s = int(candidates[0, 0]), int(candidates[0, 1])
+    assert req.host_pages is not None
+    page = pool.allocate(1, optional=True)
+    req.opt_page[s, i] = int(page[0])
+    req.opt_state[s, i] = OPT_REFILLING
+    device = pool.arena.device
+
+    def done() -> None:
+        if int(req.opt_state[s, i]) == OPT_REFILLING:
+            req.opt_state[s, i] = OPT_READY
+            req.page_table[s, i] = torch.tensor(int(page[0]), device=device)
+            req.add_stat("optional_pages_refilled", 1)
+        else:  # reclaimed while in flight
+            req.opt_state[s, i] = OPT_RETIRED
+            req.opt_retire_epoch[s, i] = fence.issued
+
+    dst = _page_rows(page, pool.page_rows)
+    src = _page_rows(req.host_pages[s, i : i + 1], pool.page_rows)
+    req.tickets.append(copies.issue("refill", pool.arena, dst, host.rows, src, done))
+    return True
+
+
+def free_retired_pages(req: RequestKV, pool: DevicePool, fence: ReaderFence) -> int:
+    """Give back the retired optional pages whose earlier readers have all finished. Returns pages freed."""
+    fence.poll()
+    safe = (req.opt_state == OPT_RETIRED) & (req.opt_retire_epoch <= fence.completed)
+    fs, fi = torch.nonzero(safe, as_tuple=True)
+    if fs.numel() == 0:
+        return 0
+    pool.free(req.opt_page[fs, fi], optional=True)
+    req.opt_state[fs, fi] = OPT_ABSENT
+    req.opt_page[fs, fi] = -1
+    return int(fs.numel())

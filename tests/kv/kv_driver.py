@@ -1,0 +1,187 @@
+"""A reference driver for KVManager tests: plays the engine and the model with random rows and keeps a
+plain copy of every request's history, so every gather and index_keys call can be checked exactly."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from dhisparse.kv.config import KVConfig, KVLayout
+from dhisparse.kv.manager import KVManager
+
+
+@dataclass
+class RefRequest:
+    prompt_len: int
+    max_new_tokens: int
+    rows: list[torch.Tensor]  # per source [length, row_dim]
+    keys: dict[int, torch.Tensor]  # per indexer layer [length, index_key_dim]
+    finished_steps: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.rows[0].shape[0]
+
+    @property
+    def last_length(self) -> int:
+        """Length after which the engine stops stepping (max_new_tokens - 1 decode rows)."""
+        return self.prompt_len + self.max_new_tokens - 1
+
+
+@dataclass
+class KVDriver:
+    manager: KVManager
+    seed: int = 0
+    check_every_op: bool = True
+    refs: dict[str, RefRequest] = field(default_factory=dict)
+    queued: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.gen = torch.Generator().manual_seed(self.seed)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.manager.layout
+
+    def _rand(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen, dtype=torch.float64).to(self.layout.dtype)
+
+    def check(self) -> None:
+        if self.check_every_op:
+            self.manager.check_invariants()
+
+    # ------------------------------------------------------------------------------------------ engine ops
+    def submit(self, rid: str, prompt_len: int, max_new_tokens: int) -> bool:
+        """try_admit (+ prefill import on success); a refused request stays queued."""
+        ok = self.manager.try_admit(rid, prompt_len, max_new_tokens)
+        self.check()
+        if not ok:
+            self.queued[rid] = (prompt_len, max_new_tokens)
+            return False
+        self.queued.pop(rid, None)
+        lay = self.layout
+        rows = self._rand(lay.num_sources, prompt_len, lay.row_dim)
+        keys = {layer: self._rand(prompt_len, lay.index_key_dim) for layer in lay.indexer_layers}
+        self.manager.import_prompt(rid, rows, keys)
+        self.refs[rid] = RefRequest(prompt_len, max_new_tokens, list(rows.clone()),
+                                    {k: v.clone() for k, v in keys.items()})
+        self.check()
+        return True
+
+    def retry_queued(self) -> None:
+        for rid, (p, n) in list(self.queued.items()):
+            self.submit(rid, p, n)
+
+    def steppable(self) -> list[str]:
+        return [rid for rid, ref in self.refs.items() if ref.length < ref.last_length]
+
+    def step(self, rids: list[str], query_len: int, accept: dict[str, int] | None = None,
+             mid_step: Callable[[], None] | None = None) -> None:
+        """One batched step with random rows, checking index_keys and gather against the reference."""
+        m, lay = self.manager, self.layout
+        step = m.begin_step(rids, query_len)
+        self.check()
+        refs = [self.refs[r] for r in rids]
+        starts = [ref.length for ref in refs]
+        assert step.lengths.tolist() == [s + query_len for s in starts]
+        new_rows = self._rand(lay.num_sources, len(rids), query_len, lay.row_dim)
+        full = {s: [torch.cat([ref.rows[s], new_rows[s, b]]) for b, ref in enumerate(refs)]
+                for s in range(lay.num_sources)}
+        leader_positions: dict[int, torch.Tensor] = {}
+        for layer in range(lay.num_layers):
+            source = lay.source_of_layer[layer]
+            keys = None
+            if layer in lay.indexer_layers:
+                keys = self._rand(len(rids), query_len, lay.index_key_dim)
+            step.write(layer, new_rows[source], keys)
+            if keys is not None:
+                got = step.index_keys(layer)
+                for b, ref in enumerate(refs):
+                    want = torch.cat([ref.keys[layer], keys[b]])
+                    assert torch.equal(got[b, : want.shape[0]], want), f"index keys of layer {layer}"
+                    assert not bool(got[b, want.shape[0]:].any()), "index keys past the length must be 0"
+                    ref.keys[layer] = want  # provisional; truncated after end_step
+            leader = self._leader(layer)
+            if leader is not None and leader in leader_positions:
+                positions = leader_positions[leader]
+            else:
+                positions = self._positions(starts, query_len)
+                leader_positions[layer] = positions
+            if mid_step is not None and layer == lay.num_layers // 2:
+                mid_step()
+            got = step.gather(layer, positions)
+            want = torch.zeros_like(got)
+            for b in range(len(rids)):
+                sel = positions[b]
+                ok = sel >= 0
+                want[b][ok] = full[source][b][sel[ok]]
+            assert torch.equal(got, want), f"gather of layer {layer} returned other rows than were written"
+        if accept is None:
+            accept = {}
+            for rid, ref in zip(rids, refs):
+                cap = min(query_len, ref.last_length - ref.length)
+                accept[rid] = self.rng.randint(0 if self.rng.random() < 0.1 else min(1, cap), cap)
+        m.end_step(accept)
+        for b, (rid, ref) in enumerate(zip(rids, refs)):
+            keep = ref.length + accept[rid]
+            ref.rows = [full[s][b][:keep] for s in range(lay.num_sources)]
+            ref.keys = {k: v[:keep] for k, v in ref.keys.items()}
+        self.check()
+
+    def _leader(self, layer: int) -> int | None:
+        for group in self.layout.index_groups:
+            if layer in group[1:]:
+                return group[0]
+        return None
+
+    def _positions(self, starts: list[int], query_len: int) -> torch.Tensor:
+        """Causal random selections: query q of request b picks <= index_topk distinct positions
+        among ``0 .. starts[b] + q``, padded with -1 and shuffled."""
+        k = self.layout.index_topk
+        out = torch.full((len(starts), query_len, k), -1, dtype=torch.int64)
+        for b, start in enumerate(starts):
+            for q in range(query_len):
+                visible = start + q + 1
+                n = self.rng.randint(0, min(k, visible))
+                picked = self.rng.sample(range(visible), n) + [-1] * (k - n)
+                self.rng.shuffle(picked)
+                out[b, q] = torch.tensor(picked)
+        return out
+
+    def finish(self, rid: str) -> None:
+        self.manager.release(rid)
+        self.refs.pop(rid, None)
+        self.queued.pop(rid, None)
+        self.check()
+
+    def poll(self) -> None:
+        self.manager.poll()
+        self.check()
+
+    def drain(self) -> None:
+        """Release everything and poll until the pool is empty."""
+        for rid in list(self.refs) + list(self.queued):
+            self.finish(rid)
+        for _ in range(3):
+            self.poll()
+
+
+def make_layout(kind: str, dtype: torch.dtype = torch.float32, topk: int = 4) -> KVLayout:
+    """Tiny layouts: ``deepseek`` (indexer per layer), ``glm`` (groups FSFS), ``shared`` (shared sources)."""
+    if kind == "deepseek":
+        return KVLayout(3, [0, 1, 2], 5, dtype, [0, 1, 2], 3, topk)
+    if kind == "glm":
+        return KVLayout(4, [0, 1, 2, 3], 5, dtype, [0, 2], 3, topk, [[0, 1], [2, 3]])
+    if kind == "shared":
+        return KVLayout(4, [0, 0, 1, 1], 5, dtype, [0, 2], 3, topk, [[0, 1], [2, 3]])
+    raise ValueError(kind)
+
+
+def make_manager(layout: KVLayout, policy: str, pool_bytes: int, hot_rows: int = 8, page_rows: int = 4,
+                 max_query_len: int = 1, reserve_bytes: int = 0, refill: int = 2) -> KVManager:
+    cfg = KVConfig(policy=policy, pool_bytes=pool_bytes, hot_rows=hot_rows, page_rows=page_rows,
+                   reserve_bytes=reserve_bytes, refill_pages_per_step=refill, max_query_len=max_query_len)
+    return KVManager(layout, cfg, torch.device("cpu"), poison_freed=True)
