@@ -54,14 +54,20 @@ class KVDriver:
             self.manager.check_invariants()
 
     # ------------------------------------------------------------------------------------------ engine ops
-    def submit(self, rid: str, prompt_len: int, max_new_tokens: int) -> bool:
-        """try_admit (+ prefill import on success); a refused request stays queued."""
+    def submit(self, rid: str, prompt_len: int, max_new_tokens: int, import_now: bool = True) -> bool:
+        """try_admit (+ prefill import on success unless ``import_now`` is False: then call
+        :meth:`import_prompt` later); a refused request stays queued."""
         ok = self.manager.try_admit(rid, prompt_len, max_new_tokens)
         self.check()
         if not ok:
             self.queued[rid] = (prompt_len, max_new_tokens)
             return False
         self.queued.pop(rid, None)
+        if import_now:
+            self.import_prompt(rid, prompt_len, max_new_tokens)
+        return True
+
+    def import_prompt(self, rid: str, prompt_len: int, max_new_tokens: int) -> None:
         lay = self.layout
         rows = self._rand(lay.num_sources, prompt_len, lay.row_dim)
         keys = {layer: self._rand(prompt_len, lay.index_key_dim) for layer in lay.indexer_layers}
@@ -69,7 +75,6 @@ class KVDriver:
         self.refs[rid] = RefRequest(prompt_len, max_new_tokens, list(rows.clone()),
                                     {k: v.clone() for k, v in keys.items()})
         self.check()
-        return True
 
     def retry_queued(self) -> None:
         for rid, (p, n) in list(self.queued.items()):
