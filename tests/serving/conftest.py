@@ -1,8 +1,83 @@
-"""Serving tests: make the test helpers in this folder importable."""
+"""Serving tests: a real tritonserver serving a tiny engine, started once per session on free loopback ports.
+
+The engine is a random-init GLM-MoE-DSA model built through `dhisparse-build`'s code path. Its KV policy
+comes from `DHISPARSE_SERVING_KV_POLICY` (default: `dense`). The server is stopped at session end, and
+also at interpreter exit should the session die first.
+"""
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+KV_POLICY = os.environ.get("DHISPARSE_SERVING_KV_POLICY", "dense")
+MAX_MODEL_LEN = 256
+
+
+@dataclass(frozen=True)
+class ServedEngine:
+    """A running server and what tests need to talk to it."""
+
+    engine_dir: Path
+    overrides: dict
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    server: object
+
+    def client(self, model: str = "ensemble"):
+        from dhisparse_client import DHiSparseClient
+
+        return DHiSparseClient(self.grpc_url, self.http_url, self.metrics_url, model=model, timeout_s=120.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_engine import build_tiny_engine
+
+    return build_tiny_engine(tmp_path_factory.mktemp("tiny"), max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="session")
+def served(tiny_engine: Path, tmp_path_factory: pytest.TempPathFactory):
+    from dhisparse.serving.repository import RepositorySpec, fill_model_repository
+    from dhisparse.serving.server import ServerConfig, TritonServer, free_ports
+    from dhisparse.serving.triton_install import TritonInstall, prepare_backend_dir
+
+    work = tmp_path_factory.mktemp("triton")
+    overrides = {"kv_policy": KV_POLICY}
+    fill_model_repository(RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100), work / "repo")
+    install = TritonInstall.locate()
+    backend_dir = prepare_backend_dir(install, work / "backends")
+    http, grpc, metrics = free_ports(3)
+    config = ServerConfig(work / "repo", backend_dir, http, grpc, metrics)
+    server = TritonServer(config, install, work / "server.log")
+    atexit.register(server.stop)
+    server.start(timeout_s=180)
+    try:
+        yield ServedEngine(tiny_engine, overrides, config.http_url, config.grpc_url, config.metrics_url, server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_engine: Path):
+    """The same engine in-process, for reference outputs."""
+    from dhisparse import LLM
+
+    return LLM(tiny_engine, kv_policy=KV_POLICY)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_engine: Path):
+    from dhisparse.serving.tokenization import load_tokenizer
+
+    return load_tokenizer(tiny_engine)

@@ -23,6 +23,7 @@ Every tensor carries Triton's batch dimension first; a request holds exactly one
 | presence_penalty, frequency_penalty | fp32 | must be 0                                                      |
 | min_length           | [1, 1] int32      | must be <= 1                                                   |
 | return_log_probs, return_context_logits, return_generation_logits | bool | must be false       |
+| cancel               | [1, 1] bool       | control request: cancel the open request with this request id  |
 
 Outputs: `output_ids` [1, 1, T] int32 (generated tokens only; in streaming mode the new ones) and
 `sequence_length` [1, 1] int32 = T.
@@ -147,6 +148,11 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray]) -> LLMRequest:
         prompt_token_ids=prompt, params=params, streaming=bool(_scalar(inputs, "streaming", False)),
         stop_sequences=tuple(word for word in stop_words if len(word) > 1),
     )
+
+
+def is_cancel_request(inputs: Mapping[str, np.ndarray]) -> bool:
+    """True for a control request (`cancel` = true): cancel the open request with the same request id."""
+    return "cancel" in inputs and bool(np.asarray(inputs["cancel"]).reshape(-1).any())
 
 
 def output_arrays(token_ids: list[int]) -> dict[str, np.ndarray]:

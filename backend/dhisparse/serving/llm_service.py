@@ -44,35 +44,40 @@ class LLMService:
         self._lock = threading.Lock()
         self._active: dict[str, Any] = {}  # request id -> response sender
         self._cancelled: set[str] = set()
+        self._by_client_id: dict[str, str] = {}  # Triton request id given by the caller -> engine request id
         self._cancelled_total = 0
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="dhisparse-supervisor", daemon=True)
         self._supervisor.start()
 
     # ------------------------------------------------------------------------------------------ requests
-    def start(self, request: LLMRequest, sender: Any) -> str:
+    def start(self, request: LLMRequest, sender: Any, client_id: str = "") -> str:
         """Submit `request` and stream its responses to `sender`; returns the engine request id.
 
-        Raises InvalidRequestError (nothing queued, nothing sent) when the engine refuses the request.
+        `client_id` (the Triton request id, may be empty) lets a later control request `cancel_client`
+        it. Raises InvalidRequestError (nothing queued, nothing sent) when the engine refuses the request.
         """
         request_id = f"triton-{next(self._ids)}"
         stream = self.loop.submit(request.prompt_token_ids, request.params, request_id)
         with self._lock:
             self._active[request_id] = sender
+            if client_id:
+                self._by_client_id[client_id] = request_id
         threading.Thread(
             target=self._respond, args=(request_id, request, stream, sender), name=f"respond-{request_id}",
             daemon=True,
         ).start()
         return request_id
 
-    def _send(self, sender: Any, arrays_or_error: dict | BaseException | None, final: bool) -> None:
+    def _send(self, sender: Any, arrays_or_error: dict | BaseException | Any | None, final: bool) -> None:
+        """Send output arrays, an error (exception or `pb.TritonError`), or nothing (flags only)."""
         flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if arrays_or_error is None:
             sender.send(flags=flags)
-        elif isinstance(arrays_or_error, BaseException):
-            sender.send(error_response(self._pb, arrays_or_error), flags=flags)
-        else:
+        elif isinstance(arrays_or_error, dict):
             sender.send(response(self._pb, arrays_or_error), flags=flags)
+        else:
+            sender.send(error_response(self._pb, arrays_or_error), flags=flags)
 
     def _respond(self, request_id: str, request: LLMRequest, stream: Iterable, sender: Any) -> None:
         matcher = StopSequenceMatcher(request.stop_sequences)
@@ -111,6 +116,19 @@ class LLMService:
             with self._lock:
                 self._active.pop(request_id, None)
                 self._cancelled.discard(request_id)
+                for client_id in [c for c, r in self._by_client_id.items() if r == request_id]:
+                    del self._by_client_id[client_id]
+
+    def cancel_client(self, client_id: str) -> bool:
+        """Cancel the open request started with `client_id`; False when there is none."""
+        with self._lock:
+            request_id = self._by_client_id.get(client_id)
+            if request_id is None or request_id in self._cancelled:
+                return False
+            self._cancelled.add(request_id)
+            self._cancelled_total += 1
+        self.loop.cancel(request_id)
+        return True
 
     def _was_cancelled(self, request_id: str) -> bool:
         with self._lock:

@@ -170,6 +170,10 @@ class TritonServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
+    def poll(self) -> int | None:
+        """Exit code if the server process has exited, else None (also None before `start`)."""
+        return self._process.poll() if self._process is not None else None
+
     def wait(self) -> int:
         """Block until the server exits; return its exit code."""
         if self._process is None:

@@ -31,9 +31,10 @@ def response(pb: Any, arrays: Mapping[str, np.ndarray]) -> Any:
     return pb.InferenceResponse(output_tensors=[pb.Tensor(name, value) for name, value in arrays.items()])
 
 
-def error_response(pb: Any, error: BaseException) -> Any:
-    """An `InferenceResponse` whose error message is `error`'s text (the client sees exactly that)."""
-    return pb.InferenceResponse(output_tensors=[], error=pb.TritonError(str(error)))
+def error_response(pb: Any, error: BaseException | Any) -> Any:
+    """An `InferenceResponse` carrying `error`: a `pb.TritonError` as is, an exception as its text."""
+    triton_error = error if isinstance(error, pb.TritonError) else pb.TritonError(str(error))
+    return pb.InferenceResponse(output_tensors=[], error=triton_error)
 
 
 def parameter(config: Mapping[str, Any], key: str, default: str | None = None) -> str:

@@ -36,8 +36,12 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
-                self.service.start(self.requests.parse_llm_request(inputs), sender)
+                inputs = self.tensors.request_arrays(pb_utils, request, (*self.requests.LLM_INPUTS, "cancel"))
+                if self.requests.is_cancel_request(inputs):
+                    self.service.cancel_client(request.request_id())
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
+                self.service.start(self.requests.parse_llm_request(inputs), sender, request.request_id())
             except ValueError as error:  # InvalidRequestError and SamplingParams' checks
                 sender.send(self.tensors.error_response(pb_utils, error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -1,0 +1,115 @@
+"""`dhisparse-serve`: serve an engine through a real Triton Inference Server (argparse lives only here).
+
+Prepares the Python backend directory and a model repository filled for the engine (in `--model-repo`,
+or a temporary directory removed at exit), starts `tritonserver` bound to `--address` (loopback by
+default), prints one `ready` line, and on SIGINT/SIGTERM stops the server cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from dhisparse.serving.repository import RepositorySpec, fill_model_repository, parse_override
+from dhisparse.serving.server import ServerConfig, ServerStartError, TritonServer, free_ports
+from dhisparse.serving.triton_install import TritonInstall, TritonNotInstalledError, prepare_backend_dir
+
+# Runtime options with their own flags (everything else: --engine-option KEY=VALUE).
+_ENGINE_FLAGS = (
+    ("kv_policy", str, "KV policy: resident, hisparse, adaptive or dense"),
+    ("pool_bytes", int, "device KV pool budget in bytes"),
+    ("hot_rows", int, "hot-cache rows per request and source"),
+    ("page_rows", int, "rows per KV page"),
+    ("reserve_bytes", int, "admission reserve in bytes"),
+    ("max_batch_size", int, "engine batch size (running requests)"),
+    ("speculative", str, "speculative decoding: dflash2 or dspark"),
+    ("num_draft_tokens", int, "draft tokens per speculation step"),
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dhisparse-serve", description=__doc__.splitlines()[0])
+    p.add_argument("--engine", required=True, type=Path, help="engine directory built by dhisparse-build")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: pick a free one)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="metrics port (0: pick a free one)")
+    p.add_argument("--address", default="127.0.0.1", help="address every endpoint binds to")
+    p.add_argument("--model-repo", type=Path, default=None,
+                   help="where to write the filled model repository (default: a temporary directory)")
+    p.add_argument("--templates", type=Path, default=None, help="model repository templates (default: the repo's)")
+    p.add_argument("--metrics-interval-ms", type=int, default=250, help="engine metrics refresh period")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    p.add_argument("--log-file", type=Path, default=None, help="write the server log here (default: terminal)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    g = p.add_argument_group("engine runtime options (override the engine's runtime.json)")
+    for name, kind, help_text in _ENGINE_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+    g.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other runtime option (value parsed as JSON when possible); repeatable")
+    return p.parse_args(argv)
+
+
+def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """Runtime overrides from the dedicated flags and `--engine-option KEY=VALUE` entries."""
+    overrides: dict[str, object] = {}
+    for option in args.engine_option:
+        key, sep, value = option.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option expects KEY=VALUE, got {option!r}")
+        overrides[key.strip().replace("-", "_")] = parse_override(value)
+    for name, _, _ in _ENGINE_FLAGS:
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    return overrides
+
+
+def _ports(args: argparse.Namespace, address: str) -> tuple[int, int, int]:
+    wanted = [args.http_port, args.grpc_port, args.metrics_port]
+    spare = iter(free_ports(wanted.count(0), address))
+    return tuple(port or next(spare) for port in wanted)  # type: ignore[return-value]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        install = TritonInstall.locate()
+        spec = RepositorySpec(args.engine, engine_overrides(args), metrics_interval_ms=args.metrics_interval_ms)
+        if not (spec.engine_dir / "config.json").is_file():
+            raise ValueError(f"{spec.engine_dir} is not an engine directory (no config.json)")
+    except (TritonNotInstalledError, ValueError, TypeError) as error:
+        print(f"dhisparse-serve: error: {error}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="dhisparse-serve-") as work:
+        model_repo = args.model_repo or Path(work) / "model_repository"
+        model_repo.mkdir(parents=True, exist_ok=True)
+        models = fill_model_repository(spec, model_repo, args.templates)
+        backend_dir = prepare_backend_dir(install, Path(work) / "backends")
+        http, grpc, metrics = _ports(args, args.address)
+        config = ServerConfig(model_repo, backend_dir, http, grpc, metrics, args.address, args.log_verbose)
+        server = TritonServer(config, install, args.log_file)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            server.start(timeout_s=args.startup_timeout)
+        except ServerStartError as error:
+            print(f"dhisparse-serve: error: {error}", file=sys.stderr)
+            return 1
+        print(f"dhisparse-serve: ready models={','.join(models)} http={config.http_url} grpc={config.grpc_url} "
+              f"metrics={config.metrics_url} pid={server.pid}", flush=True)
+        while not stop.wait(0.5):
+            if server.poll() is not None:  # died on its own
+                code = server.stop()
+                print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)
+                return 1
+        code = server.stop()
+        print(f"dhisparse-serve: stopped (tritonserver exit code {code})", flush=True)
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
