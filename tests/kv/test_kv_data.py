@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from dhisparse.kv.footprint import request_footprint
+from dhisparse.kv.request_state import OPT_READY
 from kv_driver import KVDriver, make_layout, make_manager
 
 MAX_PROMPT, MAX_NEW = 23, 9
@@ -88,4 +89,40 @@ def test_other_dtypes_and_long_prompts(dtype: torch.dtype) -> None:
     while driver.steppable():
         driver.poll()
         driver.step(driver.steppable(), 1)
+    driver.drain()
+
+
+def test_load_step_reclaims_under_pressure_and_refills_after_the_drain() -> None:
+    """Low load (pages resident) -> high load (reclaimed, fetched from host) -> drain (refilled),
+    with every gather checked against the written rows throughout."""
+    layout = make_layout("deepseek")
+    probe = make_manager(layout, "adaptive", 1 << 20)
+    need = probe.required_bytes(16, 30)
+    manager = make_manager(layout, "adaptive", 2 * need + 12 * 80 + need // 2, refill=4)
+    driver = KVDriver(manager, seed=11)
+    assert driver.submit("a", 16, 30) and driver.submit("b", 16, 30)
+    for _ in range(3):
+        driver.step(["a", "b"], 1, accept={"a": 1, "b": 1})
+        driver.poll()
+    # High load: c does not fit next to a's and b's optional pages -> b (most recent) is reclaimed.
+    for _ in range(3):
+        if driver.submit("c", 16, 8):
+            break
+        driver.step(["a", "b"], 1, accept={"a": 1, "b": 1})
+        driver.poll()
+    assert "c" in driver.refs and manager.stats()["reclaim_events"] >= 1
+    resident_under_pressure = manager.stats()["optional_pages_resident"]
+    host_before = manager.request_stats("b")["rows_host"]
+    for _ in range(3):
+        driver.step(["a", "b", "c"], 1, accept={"a": 1, "b": 1, "c": 1})
+        driver.poll()
+    assert manager.request_stats("b")["rows_host"] > host_before  # b's prompt now comes from host
+    driver.finish("c")
+    for _ in range(6):  # drain: refill repopulates b's pages, bounded per poll
+        driver.poll()
+        driver.step(["a", "b"], 1, accept={"a": 1, "b": 1})
+    stats = manager.stats()
+    assert stats["optional_pages_refilled"] >= 12
+    assert stats["optional_pages_resident"] > resident_under_pressure
+    assert manager.requests["b"].opt_state.tolist() == [[OPT_READY] * 4] * 3  # whole prompt back on device
     driver.drain()
