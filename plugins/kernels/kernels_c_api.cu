@@ -30,8 +30,9 @@ int32_t dhs_cuda_resolve(int64_t num_sources, int64_t n_select, int64_t num_page
 int32_t dhs_cuda_row_copy(void const* host_rows, void* device_rows, int64_t row_bytes, void const* src_rows,
     void const* dst_rows, int64_t num_requests, int64_t copies_per_request, int32_t index_bytes, void* stream)
 {
-    return static_cast<int32_t>(dhisparse::cuda::launch_row_copy(host_rows, device_rows, row_bytes, src_rows,
-        dst_rows, num_requests, copies_per_request, index_bytes, static_cast<cudaStream_t>(stream)));
+    dhisparse::cuda::RowCopyArgs const args{host_rows, nullptr, device_rows, row_bytes, src_rows, dst_rows,
+        num_requests, copies_per_request, index_bytes};
+    return static_cast<int32_t>(dhisparse::cuda::launch_row_copy(args, static_cast<cudaStream_t>(stream)));
 }
 
 int32_t dhs_cuda_sparse_mla(int64_t batch, int64_t queries, int64_t heads, int64_t topk, int32_t rank,

@@ -47,10 +47,23 @@ cudaError_t launch_resolver(ResolverArgs const& args, void* workspace, cudaStrea
 
 //! Gather copy of rows from pinned host memory (a device-accessible address: UVA / mapped) into device rows.
 //!   src_rows [R, M] host row of each copy, dst_rows [R, M] device row; entries with src < 0 are skipped.
+//! The host base is `host_rows`, or, when `host_rows_address` is not null, the uint64 it points to in device
+//! memory (how the TensorRT plugin receives it: an int64 [1] input tensor).
 //! Grid: copy_grid_blocks(R) thread blocks (4..32) of kCopyThreads threads.
-cudaError_t launch_row_copy(void const* host_rows, void* device_rows, int64_t row_bytes, void const* src_rows,
-    void const* dst_rows, int64_t num_requests, int64_t copies_per_request, int32_t index_bytes,
-    cudaStream_t stream);
+struct RowCopyArgs
+{
+    void const* host_rows;
+    uint64_t const* host_rows_address;
+    void* device_rows;
+    int64_t row_bytes;
+    void const* src_rows;
+    void const* dst_rows;
+    int64_t num_requests;
+    int64_t copies_per_request;
+    int32_t index_bytes;  //!< 4 or 8
+};
+
+cudaError_t launch_row_copy(RowCopyArgs const& args, cudaStream_t stream);
 
 //! Absorbed sparse MLA decode over resolved row locations.
 //!   q_lat [B, Q, H, rank], q_pe [B, Q, H, rope] (fp32 or bf16, `q_bf16`), kv [rows, row_bytes] in
