@@ -47,7 +47,7 @@ def run_engine_loop(driver: KVDriver, seed: int, num_requests: int, max_query_le
                 driver.finish(rid)
     driver.drain()
     stats = driver.manager.stats()
-    assert stats["required_bytes"] == 0 and stats["optional_bytes"] == 0 and stats["host_pages_used"] == 0
+    assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0 and stats["kv_host_pages_used"] == 0
     driver.manager.check_invariants()
 
 
@@ -65,13 +65,13 @@ def test_gather_returns_exactly_the_written_rows(policy: str, kind: str, budget:
     driver = KVDriver(manager, seed=seed)
     run_engine_loop(driver, seed, num_requests=7, max_query_len=max_query_len)
     stats = manager.stats()
-    assert stats["admissions"] == stats["releases"] == 7
+    assert stats["kv_admissions"] == stats["kv_releases"] == 7
     if policy == "resident":
-        assert stats["rows_hot"] == stats["rows_host"] == 0
+        assert stats["kv_rows_hot"] == stats["kv_rows_host"] == 0
     else:
-        assert stats["rows_host"] > 0  # decode rows always follow hot-cache rules
+        assert stats["kv_rows_host"] > 0  # decode rows always follow hot-cache rules
     if policy == "adaptive" and budget == "generous":
-        assert stats["rows_direct"] > stats["rows_host"]
+        assert stats["kv_rows_direct"] > stats["kv_rows_host"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -110,19 +110,19 @@ def test_load_step_reclaims_under_pressure_and_refills_after_the_drain() -> None
             break
         driver.step(["a", "b"], 1, accept={"a": 1, "b": 1})
         driver.poll()
-    assert "c" in driver.refs and manager.stats()["reclaim_events"] >= 1
-    resident_under_pressure = manager.stats()["optional_pages_resident"]
-    host_before = manager.request_stats("b")["rows_host"]
+    assert "c" in driver.refs and manager.stats()["kv_reclaim_events"] >= 1
+    resident_under_pressure = manager.stats()["kv_optional_pages_resident"]
+    host_before = manager.request_stats("b")["kv_rows_host"]
     for _ in range(3):
         driver.step(["a", "b", "c"], 1, accept={"a": 1, "b": 1, "c": 1})
         driver.poll()
-    assert manager.request_stats("b")["rows_host"] > host_before  # b's prompt now comes from host
+    assert manager.request_stats("b")["kv_rows_host"] > host_before  # b's prompt now comes from host
     driver.finish("c")
     for _ in range(6):  # drain: refill repopulates b's pages, bounded per poll
         driver.poll()
         driver.step(["a", "b"], 1, accept={"a": 1, "b": 1})
     stats = manager.stats()
-    assert stats["optional_pages_refilled"] >= 12
-    assert stats["optional_pages_resident"] > resident_under_pressure
+    assert stats["kv_optional_pages_refilled"] >= 12
+    assert stats["kv_optional_pages_resident"] > resident_under_pressure
     assert manager.requests["b"].opt_state.tolist() == [[OPT_READY] * 4] * 3  # whole prompt back on device
     driver.drain()

@@ -121,9 +121,9 @@ class KVMachine(RuleBasedStateMachine):
         m = self.driver.manager
         m.check_invariants()
         stats = m.stats()
-        assert stats["required_bytes"] == 0 and stats["optional_bytes"] == 0
+        assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0
         assert m.pool.free_pages == m.pool.num_pages and m.host.used_pages == 0
-        assert m.copies.num_pending == 0 and stats["requests_releasing"] == 0
+        assert m.copies.num_pending == 0 and stats["kv_requests_releasing"] == 0
 
 
 KVMachine.TestCase.settings = settings(

@@ -22,10 +22,10 @@ def test_resident_first_admission_keeps_prompt_pages_and_defers_backup() -> None
     assert req.opt_state.tolist() == [[OPT_READY] * 4] * 3
     assert bool((req.host_state == HOST_EMPTY).all())  # backup deferred
     assert m.copies.num_pending == 0
-    assert m.stats()["optional_pages_resident"] == 12
-    assert m.stats()["optional_bytes"] == 12 * PAGE
+    assert m.stats()["kv_optional_pages_resident"] == 12
+    assert m.stats()["kv_optional_bytes"] == 12 * PAGE
     d.step(["a"], 1)
-    assert m.request_stats("a")["rows_host"] == 0  # prompt rows direct, the new row is in the tail
+    assert m.request_stats("a")["kv_rows_host"] == 0  # prompt rows direct, the new row is in the tail
 
 
 def test_hisparse_backs_up_the_prompt_eagerly_and_keeps_no_optional_pages() -> None:
@@ -33,7 +33,7 @@ def test_hisparse_backs_up_the_prompt_eagerly_and_keeps_no_optional_pages() -> N
     d = KVDriver(m)
     assert d.submit("a", 18, 4)
     req = m.requests["a"]
-    assert req.prompt_pages == 0 and m.stats()["optional_bytes"] == 0
+    assert req.prompt_pages == 0 and m.stats()["kv_optional_bytes"] == 0
     assert m.copies.pending_kinds() == ["import"]
     assert bool((req.host_state[:, :4] == HOST_PENDING).all())
     d.poll()
@@ -63,7 +63,7 @@ def _two_full_requests(extra: int, max_new_a: int = 8, max_new_b: int = 3):
     m = make_manager(layout, "adaptive", pool)
     d = KVDriver(m)
     assert d.submit("a", 16, max_new_a) and d.submit("b", 16, max_new_b)
-    assert m.stats()["optional_pages_resident"] == 24
+    assert m.stats()["kv_optional_pages_resident"] == 24
     return m, d
 
 
@@ -75,14 +75,14 @@ def test_reclaim_takes_whole_requests_in_reclaim_order_and_the_admission_waits_f
     assert m.requests["b"].opt_state.tolist() == [[OPT_BACKING_UP] * 4] * 3
     assert m.requests["a"].opt_state.tolist() == [[OPT_READY] * 4] * 3  # others keep theirs
     assert m.copies.pending_kinds() == ["reclaim_backup"]
-    assert m.stats()["requests_waiting"] == 1
+    assert m.stats()["kv_requests_waiting"] == 1
     d.step(["a", "b"], 1)  # b's pages stay readable while the backup runs
     d.poll()  # backup done -> retired -> freed (no reader in flight)
     assert m.requests["b"].opt_state.tolist() == [[OPT_ABSENT] * 4] * 3
     assert d.submit("c", 4, 4)
     stats = m.stats()
-    assert stats["admissions_waited"] == 1 and stats["admission_wait_steps"] == 1
-    assert stats["optional_pages_reclaimed"] == 12 and stats["reclaim_events"] == 1
+    assert stats["kv_admissions_waited"] == 1 and stats["kv_admission_wait_steps"] == 1
+    assert stats["kv_optional_pages_reclaimed"] == 12 and stats["kv_reclaim_events"] == 1
     d.step(["a", "b", "c"], 1)
     d.drain()
 
@@ -102,7 +102,7 @@ def test_an_admission_that_optional_pages_cannot_cover_waits_without_reclaiming(
     need = m.required_bytes(60, 40)
     assert need + 0 <= m.config.pool_bytes  # admissible on an empty pool
     assert not d.submit("huge", 60, 40)
-    assert m.copies.num_pending == 0 and m.stats()["optional_pages_reclaimed"] == 0
+    assert m.copies.num_pending == 0 and m.stats()["kv_optional_pages_reclaimed"] == 0
     d.finish("a")
     d.finish("b")
     assert d.submit("huge", 60, 40)
@@ -149,7 +149,7 @@ def test_refill_is_bounded_round_robin_and_visible_only_when_the_copy_is_done() 
     for rid in ("hog", "x", "y"):
         d.import_prompt(rid, 8, 4)
     # No memory was spare at import: every prompt page went to host.
-    assert m.stats()["optional_pages_resident"] == 0 and m.copies.pending_kinds() == ["import"] * 3
+    assert m.stats()["kv_optional_pages_resident"] == 0 and m.copies.pending_kinds() == ["import"] * 3
     d.finish("hog")
     d.poll()  # imports done; refill issues 3 pages: x, y, x (round-robin), page-major within a request
     x, y = m.requests["x"], m.requests["y"]
@@ -160,12 +160,12 @@ def test_refill_is_bounded_round_robin_and_visible_only_when_the_copy_is_done() 
     assert x.opt_state[:, 0].tolist() == [OPT_READY, OPT_READY, OPT_REFILLING]
     assert y.opt_state[:, 0].tolist() == [OPT_READY, OPT_REFILLING, OPT_REFILLING]
     assert int(x.page_table[0, 0]) == int(x.opt_page[0, 0])
-    assert m.stats()["optional_pages_refilled"] == 3
+    assert m.stats()["kv_optional_pages_refilled"] == 3
     for _ in range(4):
         d.poll()
-    assert m.stats()["optional_pages_resident"] == 12
+    assert m.stats()["kv_optional_pages_resident"] == 12
     d.step(["x", "y"], 1)
-    assert m.request_stats("x")["rows_host"] == 0
+    assert m.request_stats("x")["kv_rows_host"] == 0
     d.drain()
 
 
@@ -228,7 +228,7 @@ def test_shared_source_is_resolved_once_and_its_locations_reused() -> None:
     d.poll()
     d.step(["a"], 1)
     stats = m.request_stats("a")
-    total = stats["rows_direct"] + stats["rows_hot"] + stats["rows_host"]
+    total = stats["kv_rows_direct"] + stats["kv_rows_hot"] + stats["kv_rows_host"]
     assert total <= 2 * 4  # two sources x at most index_topk distinct rows, not four layers
     d.drain()
 
@@ -239,9 +239,9 @@ def test_release_while_copies_are_in_flight_defers_the_free() -> None:
     assert d.submit("a", 16, 4)
     assert m.copies.pending_kinds() == ["import"]
     d.finish("a")
-    assert m.stats()["requests_releasing"] == 1 and m.stats()["required_bytes"] > 0
+    assert m.stats()["kv_requests_releasing"] == 1 and m.stats()["kv_required_bytes"] > 0
     d.poll()
-    assert m.stats()["requests_releasing"] == 0 and m.stats()["required_bytes"] == 0
+    assert m.stats()["kv_requests_releasing"] == 0 and m.stats()["kv_required_bytes"] == 0
     m.check_invariants()
 
 
@@ -251,5 +251,5 @@ def test_waiting_request_can_be_cancelled() -> None:
     assert d.submit("a", 8, 4)
     assert not d.submit("b", 8, 4)
     d.finish("b")
-    assert m.stats()["requests_waiting"] == 0
+    assert m.stats()["kv_requests_waiting"] == 0
     d.drain()

@@ -80,6 +80,23 @@ class KVLayout:
                     raise ConfigError(f"layer {layer} of index group {group} is out of range or in two groups")
                 seen.add(layer)
 
+    @classmethod
+    def from_model_config(cls, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
+        """Layout of a ``dhisparse.model.config.ModelConfig`` (both families: one source per layer, a latent
+        row of ``kv_lora_rank + qk_rope_head_dim``, keys of ``index_head_dim``, GLM groups from
+        ``indexer_types``)."""
+        layers = int(model_cfg.num_hidden_layers)
+        return cls(
+            num_layers=layers,
+            source_of_layer=tuple(range(layers)),
+            row_dim=int(model_cfg.row_dim),
+            dtype=dtype,
+            indexer_layers=tuple(model_cfg.indexer_layers),
+            index_key_dim=int(model_cfg.index_head_dim),
+            index_topk=int(model_cfg.index_topk),
+            index_groups=tuple(g for g in model_cfg.index_groups if len(g) > 1),
+        )
+
     @property
     def num_sources(self) -> int:
         return max(self.source_of_layer) + 1

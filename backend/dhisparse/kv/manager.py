@@ -297,7 +297,7 @@ class KVManager:
 
     # ---------------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, float]:
-        """Engine-wide counters and gauges (names and units in docs/kv.md)."""
+        """Engine-wide counters and gauges, every name prefixed ``kv_`` (names and units in docs/kv.md)."""
         out = dict(self.counters)
         out["required_bytes"] = float(self.pool.required_bytes)
         out["optional_bytes"] = float(self.pool.optional_bytes)
@@ -313,14 +313,14 @@ class KVManager:
         out["requests_releasing"] = float(len(self.releasing))
         out["copies_pending"] = float(self.copies.num_pending)
         out["host_pages_used"] = float(self.host.used_pages)
-        return out
+        return {f"kv_{name}": value for name, value in out.items()}
 
     def request_stats(self, request_id: str) -> dict[str, float]:
-        """Per-request counters and gauges (names and units in docs/kv.md)."""
+        """Per-request counters and gauges, every name prefixed ``kv_`` (names and units in docs/kv.md)."""
         req = self._running(request_id)
         out = {name: req.stats.get(name, 0.0) for name in REQUEST_COUNTERS}
         out.update(request_gauges(req))
-        return out
+        return {f"kv_{name}": value for name, value in out.items()}
 
     def check_budget(self) -> None:
         self.pool.check_budget()
