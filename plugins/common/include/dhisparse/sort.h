@@ -3,6 +3,10 @@
 
 #include "dhisparse/host_device.h"
 
+#if !defined(__CUDA_ARCH__)
+#include <algorithm>
+#endif
+
 namespace dhisparse
 {
 
@@ -31,10 +35,14 @@ DHS_HD void sift_down(T* a, int64_t root, int64_t n)
     }
 }
 
-//! In-place ascending heap sort: O(n log n), no allocation, no recursion.
+//! In-place ascending sort: std::sort on the host, heap sort (O(n log n), no allocation, no recursion) in
+//! device code. Keys are plain integers, so both give the same order.
 template <typename T>
 DHS_HD void heap_sort(T* a, int64_t n)
 {
+#if !defined(__CUDA_ARCH__)
+    std::sort(a, a + n);
+#else
     for (int64_t i = n / 2 - 1; i >= 0; --i)
     {
         sift_down(a, i, n);
@@ -46,6 +54,7 @@ DHS_HD void heap_sort(T* a, int64_t n)
         a[end] = t;
         sift_down(a, 0, end);
     }
+#endif
 }
 
 //! Index of the first element of sorted a[0..n) that is not less than x (n if none).
