@@ -95,7 +95,7 @@ class EngineLoop:
                 _, rid, prompt, params = msg
                 try:
                     self.engine.add_request(prompt, params, rid)
-                except Exception as exc:  # noqa: BLE001 - reported to the caller, loop keeps serving
+                except Exception as exc:
                     self._close_stream(rid, exc)
             else:
                 rid = msg[1]
@@ -123,7 +123,7 @@ class EngineLoop:
                 continue
             try:
                 updates = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - fail every open request, keep the thread alive
+            except Exception as exc:
                 self.error = exc
                 for rid in list(self.engine.requests):
                     self.engine.abort_request(rid)
