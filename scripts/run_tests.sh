@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up from scratch (scripts/setup.sh) and run the whole test suite: ctest (inside the native setup) and pytest
+# (model exactness vs transformers, KV hierarchy, speculation, native agreement, TensorRT registry, Triton e2e).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+start=$(date +%s)
+python -m pytest -q -p no:cacheprovider "$@" tests
+echo "[run_tests] pytest took $(( $(date +%s) - start )) s"
