@@ -35,8 +35,9 @@ class EngineConfig:
     refill_pages_per_step: int = 64
     speculative: str | None = None
     num_draft_tokens: int = 4
-    dspark_busy_batch: int = 8
-    dspark_min_confidence: float = 0.3
+    dspark_busy_batch: int = 8  # DSpark: a batch at least this large counts as busy
+    dspark_min_confidence: float = 0.0  # DSpark: verify only the draft prefix this likely to be accepted …
+    dspark_busy_confidence: float = 0.3  # … or this likely when the batch is busy (load-aware shortening)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,8 +53,9 @@ class EngineConfig:
         for name in ("max_model_len", "max_new_tokens_limit", "hot_rows", "reserve_bytes", "dspark_busy_batch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.dspark_min_confidence <= 1.0:
-            raise ConfigError(f"dspark_min_confidence must be in [0, 1], got {self.dspark_min_confidence}")
+        for name in ("dspark_min_confidence", "dspark_busy_confidence"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

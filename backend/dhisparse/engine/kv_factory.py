@@ -9,9 +9,10 @@ from dhisparse.engine.dense_kv import DenseKVManager
 from dhisparse.model.config import ModelConfig
 
 
-def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: int = 1):
+def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: int = 1, extra_required_bytes: int = 0):
     """``dense`` is the unbounded reference store; ``resident``/``hisparse``/``adaptive`` are the hierarchy's
-    policies (``dhisparse.kv``)."""
+    policies (``dhisparse.kv``). ``extra_required_bytes`` is per-request speculative state (draft ring, verification
+    staging) that the budget must count as required memory."""
     device = torch.device(cfg.device)
     if cfg.kv_policy == "dense":
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
@@ -23,6 +24,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=hot_rows, page_rows=cfg.page_rows,
         reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
         max_query_len=max_query_len,
+        **({"extra_required_bytes": extra_required_bytes} if extra_required_bytes else {}),
     )
     return KVManager(layout, kv_cfg, device)
 

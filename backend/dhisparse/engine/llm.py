@@ -31,8 +31,17 @@ class LLM:
         weights = load_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
         import torch
 
-        model = DSAModel(model_cfg, weights, self.config.torch_dtype, torch.device(self.config.device))
-        self.engine = LLMEngine(model, self.config)
+        device = torch.device(self.config.device)
+        model = DSAModel(model_cfg, weights, self.config.torch_dtype, device)
+        speculator = None
+        if self.config.speculative:
+            from dhisparse.spec.speculator import Speculator
+
+            speculator = Speculator(
+                self.engine_dir / "drafters" / self.config.speculative, self.config.num_draft_tokens,
+                self.config.max_batch_size, model_cfg, device, min_confidence=self.config.dspark_min_confidence,
+                busy_confidence=self.config.dspark_busy_confidence, busy_batch=self.config.dspark_busy_batch)
+        self.engine = LLMEngine(model, self.config, speculator)
 
     # ---------------------------------------------------------------------------------------- properties
     @property

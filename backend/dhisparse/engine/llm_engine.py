@@ -12,9 +12,12 @@ import torch
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.kv_factory import make_kv_manager
 from dhisparse.engine.request import Request, RequestUpdate, Status
-from dhisparse.engine.sampling import SamplingParams, sample, seed_to_int64
+from dhisparse.engine.sampling import SamplingParams, filtered_probs, sample, seed_to_int64, uniform
 from dhisparse.errors import InvalidRequestError
 from dhisparse.model.model import DSAModel
+from dhisparse.spec.acceptance import greedy_accept, rejection_accept
+from dhisparse.spec.speculator import Speculator
+from dhisparse.spec.staging import VerificationStaging
 
 
 class LLMEngine:
@@ -27,13 +30,24 @@ class LLMEngine:
     batch at step boundaries.
     """
 
-    def __init__(self, model: DSAModel, cfg: EngineConfig) -> None:
-        self.model, self.cfg = model, cfg
+    def __init__(self, model: DSAModel, cfg: EngineConfig, speculator: Speculator | None = None) -> None:
+        self.model, self.cfg, self.spec = model, cfg, speculator
         mcfg = model.cfg
         self.max_model_len = min(cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or self.max_model_len
         self.eos_token_ids = set(mcfg.eos_token_id)
-        self.kv = make_kv_manager(mcfg, cfg)
+        self.query_len = 1 + (speculator.gamma if speculator else 0)
+        self.staging = None
+        extra = 0
+        if speculator is not None:
+            groups = mcfg.index_groups
+            self.staging = VerificationStaging(
+                max(len(g) for g in groups), cfg.max_batch_size, self.query_len,
+                min(mcfg.index_topk, self.max_model_len), mcfg.row_dim, cfg.torch_dtype, torch.device(cfg.device))
+            self._staging_slot = tuple(g.index(i) for g in groups for i in g)
+            extra = speculator.ring_bytes_per_request + self.staging.bytes_per_request()
+        self.spec_bytes_per_request = extra
+        self.kv = make_kv_manager(mcfg, cfg, self.query_len, extra_required_bytes=extra)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -128,8 +142,11 @@ class LLMEngine:
             self.waiting.popleft()
             req.admitted_time = time.perf_counter()
             req.status = Status.RUNNING
-            out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens)
+            out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens,
+                                     capture_hidden=self.spec.layers if self.spec else ())
             self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
+            if self.spec is not None:
+                req.spec_state = self.spec.start(self.spec.features(out.hidden))
             req.num_computed = req.prompt_len
             prefilled += req.prompt_len
             self.counters["prefill_tokens"] += req.prompt_len
@@ -138,6 +155,9 @@ class LLMEngine:
             self._append_tokens(req, [token], updates)
 
     def _decode(self, updates: list[RequestUpdate]) -> None:
+        if self.spec is not None:
+            self._speculative_decode(updates)
+            return
         batch = self.running
         dev = self.model.device
         ids = torch.tensor([[r.last_token] for r in batch], dtype=torch.int64, device=dev)
@@ -151,6 +171,58 @@ class LLMEngine:
         for req, token in zip(list(batch), tokens):
             req.num_computed += 1
             self._append_tokens(req, [token], updates)
+
+    def _speculative_decode(self, updates: list[RequestUpdate]) -> None:
+        """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance."""
+        spec, batch, dev = self.spec, self.running, self.model.device
+        assert spec is not None and self.staging is not None
+        slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
+        last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
+        draft, lengths, _ = spec.propose(slots, last, len(batch))
+        q_len = int(lengths.max()) + 1  # every request verifies its own `lengths[b]`; the batch pads to the max
+        draft = draft[:, : q_len - 1]
+        ids = torch.cat([last.unsqueeze(1), draft], dim=1)
+        base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
+        positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
+        step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
+        out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
+        accepted, next_tokens = self._accept(batch, out.logits, draft, lengths)
+        kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
+        self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist())})
+        spec.advance(slots, spec.features(out.hidden), kept)
+        self.counters["verify_steps"] += 1
+        self.counters["verify_rows"] += len(batch)
+        self.counters["draft_tokens_proposed"] += int(lengths.sum())
+        self.counters["draft_tokens_accepted"] += int(accepted.sum())
+        self.counters["draft_tokens_shortened"] += int((spec.gamma - lengths).sum())
+        for req, n, k, nxt, row, g in zip(list(batch), accepted.tolist(), kept.tolist(), next_tokens.tolist(),
+                                          draft.tolist(), lengths.tolist()):
+            req.num_computed += k
+            req.counters["draft_tokens_proposed"] = req.counters.get("draft_tokens_proposed", 0.0) + g
+            req.counters["draft_tokens_accepted"] = req.counters.get("draft_tokens_accepted", 0.0) + n
+            req.counters["verify_steps"] = req.counters.get("verify_steps", 0.0) + 1
+            self._append_tokens(req, row[:n] + [nxt], updates)
+
+    def _accept(self, batch: list[Request], logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        accepted, next_tokens = greedy_accept(logits, draft, lengths)
+        temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=logits.device)
+        sampled = temperature > 0
+        if not bool(sampled.any()):
+            return accepted, next_tokens
+        b, q, v = logits.shape
+        top_k = torch.tensor([r.params.top_k for r in batch], dtype=torch.int64, device=logits.device)
+        top_p = torch.tensor([r.params.top_p for r in batch], dtype=torch.float64, device=logits.device)
+        p = filtered_probs(logits.reshape(b * q, v), temperature.repeat_interleave(q), top_k.repeat_interleave(q),
+                           top_p.repeat_interleave(q)).view(b, q, v)
+        q_draft = torch.zeros(b, q - 1, v, dtype=p.dtype, device=p.device).scatter_(2, draft.unsqueeze(-1), 1.0)
+        seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64, device=logits.device)
+        counters = torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=logits.device)
+        steps = counters.unsqueeze(1) + torch.arange(q - 1, device=logits.device)
+        u_accept = uniform(seeds.unsqueeze(1).expand_as(steps), steps, stream=1)
+        u_next = uniform(seeds, counters, stream=2)
+        s_acc, s_next = rejection_accept(p, draft, q_draft, lengths, u_accept, u_next)
+        return torch.where(sampled, s_acc, accepted), torch.where(sampled, s_next, next_tokens)
 
     def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
         dev = logits.device
@@ -192,6 +264,9 @@ class LLMEngine:
         if req.status is Status.RUNNING:
             self.running.remove(req)
             self.kv.release(req.request_id)
+            if self.spec is not None and req.spec_state is not None:
+                self.spec.release(req.spec_state)
+                req.spec_state = None
         req.status = Status.FINISHED
         self.counters["requests_finished"] += 1
 
@@ -204,4 +279,11 @@ class LLMEngine:
         out["requests_waiting"] = float(len(self.waiting))
         out["requests_running"] = float(len(self.running))
         out.update(self.kv.stats())
+        if self.spec is not None:
+            out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
+            out["spec_staging_bytes_per_request"] = float(self.staging.bytes_per_request())
+            proposed = out.get("draft_tokens_proposed", 0.0)
+            out["draft_acceptance_rate"] = out.get("draft_tokens_accepted", 0.0) / proposed if proposed else 0.0
+            steps = out.get("verify_rows", 0.0)
+            out["tokens_per_verify_step"] = (out.get("draft_tokens_accepted", 0.0) + steps) / steps if steps else 0.0
         return out

@@ -1,0 +1,58 @@
+"""The draft ring buffer: per request, the drafter's context rows for only its visible window of positions."""
+
+from __future__ import annotations
+
+import torch
+
+
+class DraftRing:
+    """``slots`` request slots × ``window`` rows × ``row_values`` values (one preallocated tensor).
+
+    Row ``j`` of a request's ring holds the drafter context row of one target position; writing position ``p``
+    goes to ``p % window``, so the ring never holds more than ``window`` positions (older rows are overwritten).
+    All operations are vectorised over the requests of a batch.
+    """
+
+    def __init__(self, slots: int, window: int, row_values: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.window, self.row_values = window, row_values
+        self.rows = torch.zeros(slots, window, row_values, dtype=dtype, device=device)
+        self.count = torch.zeros(slots, dtype=torch.int64, device=device)  # positions written so far (≤ ∞)
+        self.free = list(range(slots))
+
+    @property
+    def bytes_per_request(self) -> int:
+        return self.window * self.row_values * self.rows.element_size()
+
+    def allocate(self) -> int:
+        slot = self.free.pop()
+        self.count[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.rows[slot] = 0
+        self.count[slot] = 0
+        self.free.append(slot)
+
+    def append(self, slots: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """Append ``rows [B, N, row_values]`` to the rings of ``slots [B]``; only the first ``valid[b]`` rows of
+        request ``b`` are kept (``valid [B]`` int64, ≤ N)."""
+        n = rows.shape[1]
+        offsets = torch.arange(n, device=rows.device)
+        keep = offsets.unsqueeze(0) < valid.unsqueeze(1)  # [B, N]
+        # Only the last `window` kept rows of a request can survive; earlier ones would be overwritten anyway.
+        keep &= offsets.unsqueeze(0) >= (valid.unsqueeze(1) - self.window)
+        positions = self.count[slots].unsqueeze(1) + offsets  # [B, N]
+        b_idx = slots.unsqueeze(1).expand(-1, n)[keep]
+        self.rows[b_idx, positions[keep] % self.window] = rows[keep].to(self.rows.dtype)
+        self.count[slots] += valid
+
+    def context(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows oldest first: ``([B, window, row_values], mask [B, window])`` (mask False where a request has
+        fewer than ``window`` positions; those rows are left-padded)."""
+        count = self.count[slots]
+        start = count - self.window  # position of the oldest row in a full window
+        positions = start.unsqueeze(1) + torch.arange(self.window, device=count.device)
+        mask = positions >= 0
+        idx = positions.clamp(min=0) % self.window
+        rows = self.rows[slots.unsqueeze(1), idx]
+        return rows.masked_fill(~mask.unsqueeze(-1), 0), mask
