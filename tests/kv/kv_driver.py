@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from dhisparse.kv.config import KVConfig, KVLayout
 from dhisparse.kv.manager import KVManager
 
@@ -126,11 +127,11 @@ class KVDriver:
             assert torch.equal(got, want), f"gather of layer {layer} returned other rows than were written"
         if accept is None:
             accept = {}
-            for rid, ref in zip(rids, refs):
+            for rid, ref in zip(rids, refs, strict=True):
                 cap = min(query_len, ref.last_length - ref.length)
                 accept[rid] = self.rng.randint(0 if self.rng.random() < 0.1 else min(1, cap), cap)
         m.end_step(accept)
-        for b, (rid, ref) in enumerate(zip(rids, refs)):
+        for b, (rid, ref) in enumerate(zip(rids, refs, strict=True)):
             keep = ref.length + accept[rid]
             ref.rows = [full[s][b][:keep] for s in range(lay.num_sources)]
             ref.keys = {k: v[:keep] for k, v in ref.keys.items()}

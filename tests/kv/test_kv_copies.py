@@ -4,6 +4,7 @@ their completion callback exactly once; the reader fence counts finished epochs.
 from __future__ import annotations
 
 import torch
+
 from dhisparse.kv.copies import CopyEngine, ReaderFence
 
 CPU = torch.device("cpu")

@@ -10,9 +10,10 @@ import random
 
 import pytest
 import torch
+from kv_driver import KVDriver, make_layout, make_manager
+
 from dhisparse.kv.footprint import request_footprint
 from dhisparse.kv.request_state import OPT_READY
-from kv_driver import KVDriver, make_layout, make_manager
 
 MAX_PROMPT, MAX_NEW = 23, 9
 

@@ -6,8 +6,9 @@ longer than index_topk)."""
 from __future__ import annotations
 
 import pytest
-from dhisparse import LLM, SamplingParams
 from tiny_models import random_prompts
+
+from dhisparse import LLM, SamplingParams
 
 LENGTHS = [7, 23, 50, 97]
 NEW_TOKENS = 12

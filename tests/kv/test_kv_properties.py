@@ -8,12 +8,13 @@ At the end every request is released and the pool must return exactly to empty.
 
 from __future__ import annotations
 
-from dhisparse.kv.config import KVConfig
-from dhisparse.kv.footprint import request_footprint
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_driver import KVDriver, make_layout, make_manager
+
+from dhisparse.kv.config import KVConfig
+from dhisparse.kv.footprint import request_footprint
 
 MAX_PROMPT, MAX_NEW = 20, 8
 

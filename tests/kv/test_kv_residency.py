@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_driver import KVDriver, make_layout, make_manager
+
 from dhisparse.errors import ConfigError
 from dhisparse.kv.config import AdmissionError, KVConfig
 from dhisparse.kv.host_store import HOST_EMPTY, HOST_PENDING, HOST_VALID
 from dhisparse.kv.request_state import OPT_ABSENT, OPT_BACKING_UP, OPT_READY, OPT_REFILLING, OPT_RETIRED
-from kv_driver import KVDriver, make_layout, make_manager
 
 PAGE = 80  # deepseek layout: row_dim 5 float32 = 20 bytes, page_rows 4
 
@@ -252,4 +253,19 @@ def test_waiting_request_can_be_cancelled() -> None:
     assert not d.submit("b", 8, 4)
     d.finish("b")
     assert m.stats()["kv_requests_waiting"] == 0
+    d.drain()
+
+
+def test_a_prefetch_the_model_never_consumes_is_completed_by_end_step() -> None:
+    m = make_manager(make_layout("glm"), "hisparse", 100_000)
+    d = KVDriver(m)
+    assert d.submit("a", 12, 4)
+    d.poll()
+    step = m.begin_step(["a"], 1)
+    step.write(0, torch.randn(1, 1, 5), torch.randn(1, 1, 3))
+    step.gather(0, torch.tensor([[[0, 5, 9, -1]]]))
+    assert m.copies.pending_kinds() == ["fetch"]
+    m.end_step({"a": 0})
+    assert m.copies.num_pending == 0
+    d.finish("a")
     d.drain()

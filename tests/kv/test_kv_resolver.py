@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+
 from dhisparse.kv.resolver import HotCacheOverflowError, resolve
 
 
@@ -116,7 +117,7 @@ def reference_resolve(positions, page_table, hot_pos, hot_stamp, hot_loc, stamp,
         candidates.sort(key=lambda j: (-1 if hot_pos[r][j] < 0 else hot_stamp[r][j], j))
         if len(misses) > len(candidates):
             raise HotCacheOverflowError("overflow")
-        for p, j in zip(misses, candidates):
+        for p, j in zip(misses, candidates, strict=False):
             loc_of[p], step_of[p] = hot_loc[r][j], 3
             new_pos[r][j], new_stamp[r][j] = p, stamp
             copies.append((r, p, j, hot_loc[r][j]))
@@ -161,7 +162,7 @@ def test_matches_reference_on_random_multi_step_inputs(seed: int) -> None:
         assert res.hot_pos.tolist() == new_pos
         assert res.hot_stamp.tolist() == new_stamp
         got = list(zip(res.copy_request.tolist(), res.copy_position.tolist(), res.copy_slot.tolist(),
-                       res.copy_location.tolist()))
+                       res.copy_location.tolist(), strict=True))
         assert got == copies
         hot_pos, hot_stamp = new_pos, new_stamp
 
@@ -170,5 +171,5 @@ def test_inputs_are_not_modified() -> None:
     args = [t([[3, 1]]), t([[-1, -1]]), t([[1, -1]]), t([[2, 0]]), t([[7, 8]])]
     before = [a.clone() for a in args]
     resolve(*args, stamp=5, page_rows=2)
-    for a, b in zip(args, before):
+    for a, b in zip(args, before, strict=True):
         assert torch.equal(a, b)

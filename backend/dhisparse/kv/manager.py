@@ -206,6 +206,7 @@ class KVManager:
         q = step.query_len
         if set(accepted) != {r.request_id for r in step.requests}:
             raise ValueError("end_step needs an accepted count for exactly the step's requests")
+        step.wait_fetches()  # prefetches of layers the model skipped must not outlive the step
         for b, req in enumerate(step.requests):
             keep = int(accepted[req.request_id])
             if not 0 <= keep <= q:

@@ -176,7 +176,8 @@ def resolve(
         1, touched, torch.full_like(touched, int(stamp))
     )[:, :num_slots]
     placed = torch.where(miss_first, victim, num_slots)
-    new_pos = torch.cat([hot_pos, hot_pos.new_zeros(num_requests, 1)], dim=1).scatter(1, placed, sorted_pos)[:, :num_slots]
+    new_pos = torch.cat([hot_pos, hot_pos.new_zeros(num_requests, 1)], dim=1)
+    new_pos = new_pos.scatter(1, placed, sorted_pos)[:, :num_slots]
 
     copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
     copy_slot = victim[copy_rows, copy_cols]

@@ -163,6 +163,11 @@ class StepKV:
             ticket = m.copies.issue("fetch", m.pool.arena, res.copy_location, m.host.rows, host_rows)
         self._resolved[source] = _Resolved(positions, res, ticket)
 
+    def wait_fetches(self) -> None:
+        """Complete every host→device copy this step issued (called by ``end_step``)."""
+        for entry in self._resolved.values():
+            self._m.copies.wait(entry.ticket)
+
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this StepKV was ended; call begin_step for the next step")
