@@ -8,6 +8,7 @@ import torch
 
 from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID
 from dhisparse.kv.request_state import (
+    OPT_ABSENT,
     OPT_BACKING_UP,
     OPT_ON_DEVICE,
     OPT_READY,
@@ -105,6 +106,10 @@ def _check_request(m: KVManager, req: RequestKV) -> None:
             _fail("optional state", f"{rid}: refilling or retired page without a valid host copy")
         if bool(((state == OPT_BACKING_UP) & (hstate != HOST_PENDING)).any()):
             _fail("optional state", f"{rid}: page backing up without a pending host copy")
+        if bool((state == OPT_RETIRED).any()) and not req.retired_pending:
+            _fail("optional state", f"{rid}: a retired page is not flagged for freeing")
+        if bool(((state == OPT_ABSENT) & (hstate == HOST_VALID)).any()) and not req.may_refill:
+            _fail("optional state", f"{rid}: a refillable page is not flagged for refill")
     elif req.tail_first > 0 and bool(mapped[:, : req.tail_first].any()):
         _fail("page table", f"{rid}: a page before the tail is mapped without being optional")
     if not m.config.uses_host:

@@ -61,6 +61,8 @@ class RequestKV:
     backup_tickets: dict[int, CopyTicket] = field(default_factory=dict)  # tail page -> backup in flight
     import_ticket: CopyTicket | None = None  # prompt pages → host, until done
     stats: dict[str, float] = field(default_factory=dict)
+    retired_pending: bool = False  # some optional page is RETIRED (waiting for its readers)
+    may_refill: bool = False  # some optional page may be ABSENT with a valid host copy
 
     @property
     def num_sources(self) -> int:

@@ -93,6 +93,7 @@ def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: str, pool: De
     def done() -> None:
         req.host_state[hs, hi] = HOST_VALID
         req.import_ticket = None
+        req.may_refill = True
 
     req.import_ticket = copies.issue("import", host.rows, dst, flat, src, done)
     req.tickets.append(req.import_ticket)
@@ -125,6 +126,7 @@ def reclaim_request(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
         req.page_table[rs.to(device), ri.to(device)] = -1
         state[rs, ri] = OPT_RETIRED
         req.opt_retire_epoch[rs, ri] = fence.issued
+        req.retired_pending = True
     bs, bi = torch.nonzero(ready & ~hv, as_tuple=True)
     if bs.numel():
         assert req.host_pages is not None
@@ -140,6 +142,7 @@ def reclaim_request(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
             req.page_table[ms.to(device), mi.to(device)] = -1
             req.opt_state[ms, mi] = OPT_RETIRED
             req.opt_retire_epoch[ms, mi] = fence.issued
+            req.retired_pending = True
 
         req.tickets.append(copies.issue("reclaim_backup", host.rows, dst, pool.arena, src, done))
     req.add_stat("optional_pages_reclaimed", count)
@@ -150,11 +153,12 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
                     fence: ReaderFence) -> bool:
     """Refill the first missing optional page of ``req`` (page-major order) from host, if the budget
     allows (``refill``: host→device). The page is mapped only when the copy is done."""
-    if pool.spare_bytes < pool.page_bytes:
+    if pool.spare_bytes < pool.page_bytes or not req.may_refill:
         return False
     hv = req.host_state[:, : req.prompt_pages] == HOST_VALID
     candidates = torch.nonzero(((req.opt_state == OPT_ABSENT) & hv).T)
     if candidates.shape[0] == 0:
+        req.may_refill = False  # until a page becomes absent with a valid host copy again
         return False
     i, s = int(candidates[0, 0]), int(candidates[0, 1])
     assert req.host_pages is not None
@@ -171,6 +175,7 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
         else:  # reclaimed while in flight
             req.opt_state[s, i] = OPT_RETIRED
             req.opt_retire_epoch[s, i] = fence.issued
+            req.retired_pending = True
 
     dst = _page_rows(page, pool.page_rows)
     src = _page_rows(req.host_pages[s, i : i + 1], pool.page_rows)
@@ -180,12 +185,17 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
 
 def free_retired_pages(req: RequestKV, pool: DevicePool, fence: ReaderFence) -> int:
     """Give back the retired optional pages whose earlier readers have all finished. Returns pages freed."""
+    if not req.retired_pending:
+        return 0
     fence.poll()
-    safe = (req.opt_state == OPT_RETIRED) & (req.opt_retire_epoch <= fence.completed)
+    retired = req.opt_state == OPT_RETIRED
+    safe = retired & (req.opt_retire_epoch <= fence.completed)
     fs, fi = torch.nonzero(safe, as_tuple=True)
+    req.retired_pending = bool((retired & ~safe).any())
     if fs.numel() == 0:
         return 0
     pool.free(req.opt_page[fs, fi], optional=True)
     req.opt_state[fs, fi] = OPT_ABSENT
     req.opt_page[fs, fi] = -1
+    req.may_refill = True
     return int(fs.numel())
