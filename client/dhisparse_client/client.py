@@ -66,12 +66,18 @@ class GenerationOptions:
         return out
 
 
-_DTYPES = {"text_input": ("BYTES", object), "stop_words": ("BYTES", object), "max_tokens": ("INT32", np.int32),
+_DTYPES = {"text_input": ("BYTES", object), "stop_words": ("BYTES", object),
+           "max_tokens": ("INT32", np.int32),
            "top_k": ("INT32", np.int32), "end_id": ("INT32", np.int32), "temperature": ("FP32", np.float32),
            "top_p": ("FP32", np.float32), "random_seed": ("UINT64", np.uint64), "stream": ("BOOL", bool),
            "input_ids": ("INT32", np.int32), "input_lengths": ("INT32", np.int32),
            "request_output_len": ("INT32", np.int32), "streaming": ("BOOL", bool),
-           "runtime_top_k": ("INT32", np.int32), "runtime_top_p": ("FP32", np.float32)}
+           "runtime_top_k": ("INT32", np.int32), "runtime_top_p": ("FP32", np.float32),
+           "bad_words": ("BYTES", object), "pad_id": ("INT32", np.int32), "beam_width": ("INT32", np.int32),
+           "min_length": ("INT32", np.int32), "length_penalty": ("FP32", np.float32),
+           "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
+           "frequency_penalty": ("FP32", np.float32), "return_log_probs": ("BOOL", bool),
+           "stop_words_list": ("INT32", np.int32), "bad_words_list": ("INT32", np.int32), "cancel_request_id": ("BYTES", object)}
 
 
 def _grpc_inputs(values: dict[str, object]) -> list:
@@ -110,6 +116,10 @@ class DHiSparseClient:
     def stream_raw(self, model: str, values: dict[str, object], output: str) -> Iterator[np.ndarray]:
         """Stream any request: `values` maps input names to python values (one request, batch 1); yields
         each response's `output` array. Leaving early cancels the request."""
+        return self.stream_inputs(model, _grpc_inputs(values), output)
+
+    def stream_inputs(self, model: str, inputs: list, output: str) -> Iterator[np.ndarray]:
+        """Like `stream_raw`, with ready-made `tritonclient.grpc.InferInput`s."""
         import tritonclient.grpc as grpcclient
 
         client = grpcclient.InferenceServerClient(self.grpc_url)
@@ -117,7 +127,7 @@ class DHiSparseClient:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))
         finished = False
         try:
-            client.async_stream_infer(model, _grpc_inputs(values), request_id=uuid.uuid4().hex,
+            client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex,
                                       enable_empty_final_response=True)
             while not finished:
                 try:

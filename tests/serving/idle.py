@@ -25,3 +25,10 @@ def wait_idle(client, idle: dict[str, float], timeout_s: float = 20.0) -> dict[s
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle after {timeout_s} s: {now} (idle: {idle})")
         time.sleep(0.1)
+
+
+def settle(client, timeout_s: float = 20.0) -> dict[str, float]:
+    """Wait until no request is open anywhere, then return the idle occupancy snapshot."""
+    wait_idle(client, dict.fromkeys(OCCUPANCY_EXACT, 0.0), timeout_s)
+    time.sleep(0.3)  # one more metrics refresh, so KV occupancy reflects the last release
+    return occupancy(client.metrics())

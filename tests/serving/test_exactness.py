@@ -22,7 +22,7 @@ def expected(offline_llm, tokenizer):
     prompt_ids = [tokenizer.encode(p).ids for p in PROMPTS]
     outputs = offline_llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
     token_bytes = TokenBytes(tokenizer)
-    return [(ids, out.token_ids, token_bytes.decode(out.token_ids)) for ids, out in zip(prompt_ids, outputs)]
+    return [(ids, out.token_ids, token_bytes.decode(out.token_ids)) for ids, out in zip(prompt_ids, outputs, strict=True)]
 
 
 def _concurrently(function, count: int) -> list:
@@ -38,7 +38,7 @@ def test_ensemble_streaming_matches_offline_with_16_concurrent_clients(served, e
         return len(chunks), b"".join(chunks)
 
     results = _concurrently(run, 16)
-    for (ids, tokens, text), (n_chunks, streamed) in zip(expected, results):
+    for (_, _, text), (n_chunks, streamed) in zip(expected, results, strict=True):
         assert streamed == text
         assert n_chunks > 1  # really streamed, not one final blob
     assert any(tokens for _, tokens, _ in expected)
@@ -46,7 +46,7 @@ def test_ensemble_streaming_matches_offline_with_16_concurrent_clients(served, e
 
 def test_ensemble_http_non_streaming_matches_offline(served, expected):
     client = served.client("ensemble")
-    for prompt, (_, _, text) in list(zip(PROMPTS, expected))[:4]:
+    for prompt, (_, _, text) in list(zip(PROMPTS, expected, strict=True))[:4]:
         assert client.generate(prompt, GenerationOptions(max_tokens=MAX_TOKENS)) == text
 
 
@@ -54,7 +54,7 @@ def test_bls_streams_whole_characters_matching_offline(served, expected):
     def run(i: int) -> list[bytes]:
         return list(served.client("dhisparse_bls").stream(PROMPTS[i], GenerationOptions(max_tokens=MAX_TOKENS)))
 
-    for (_, _, text), chunks in zip(expected, _concurrently(run, 16)):
+    for (_, _, text), chunks in zip(expected, _concurrently(run, 16), strict=True):
         for chunk in chunks:
             chunk.decode("utf-8")  # every chunk is whole characters
         assert b"".join(chunks).decode() == text.decode("utf-8", "replace")
@@ -66,5 +66,5 @@ def test_llm_model_token_ids_match_offline(served, expected):
         return [t for chunk in served.client().stream_token_ids(prompt_ids, GenerationOptions(max_tokens=MAX_TOKENS))
                 for t in chunk]
 
-    for (_, tokens, _), served_tokens in zip(expected, _concurrently(run, 16)):
+    for (_, tokens, _), served_tokens in zip(expected, _concurrently(run, 16), strict=True):
         assert served_tokens == tokens

@@ -106,7 +106,9 @@ class BLSService:
                                          requested_output_names=["output_ids", "sequence_length"])
 
     def _cancel(self, request_id: str) -> None:
-        control = self._llm_request({"cancel": np.array([[True]])}, request_id)
+        # Its own request id: a control request sharing the target's id stalls the target's BLS stream.
+        target = np.array([[request_id.encode()]], dtype=object)
+        control = self._llm_request({"cancel_request_id": target}, f"{request_id}-cancel")
         for _ in control.exec(decoupled=True):
             pass
 
@@ -149,5 +151,5 @@ class BLSService:
                 sender.send(flags=final)
             else:
                 sender.send(response(self._pb, {"text_output": np.array([[body.encode()]], dtype=object)}), flags=final)
-        except Exception as error:  # noqa: BLE001 - report to this client, keep serving the others
+        except Exception as error:
             sender.send(error_response(self._pb, RuntimeError(f"request failed: {error}")), flags=final)

@@ -23,7 +23,7 @@ Every tensor carries Triton's batch dimension first; a request holds exactly one
 | presence_penalty, frequency_penalty | fp32 | must be 0                                                      |
 | min_length           | [1, 1] int32      | must be <= 1                                                   |
 | return_log_probs, return_context_logits, return_generation_logits | bool | must be false       |
-| cancel               | [1, 1] bool       | control request: cancel the open request with this request id  |
+| cancel_request_id    | [1, 1] bytes      | control request: cancel the open request with this request id  |
 
 Outputs: `output_ids` [1, 1, T] int32 (generated tokens only; in streaming mode the new ones) and
 `sequence_length` [1, 1] int32 = T.
@@ -45,7 +45,7 @@ LLM_INPUTS = (
     "input_ids", "input_lengths", "request_output_len", "end_id", "pad_id", "stop_words_list", "bad_words_list",
     "temperature", "runtime_top_k", "runtime_top_p", "random_seed", "streaming", "beam_width", "len_penalty",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length", "return_log_probs",
-    "return_context_logits", "return_generation_logits",
+    "return_context_logits", "return_generation_logits", "cancel_request_id",
 )
 # Inputs whose only supported value is a neutral one: name -> (check, message).
 _NEUTRAL = {
@@ -150,9 +150,12 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray]) -> LLMRequest:
     )
 
 
-def is_cancel_request(inputs: Mapping[str, np.ndarray]) -> bool:
-    """True for a control request (`cancel` = true): cancel the open request with the same request id."""
-    return "cancel" in inputs and bool(np.asarray(inputs["cancel"]).reshape(-1).any())
+def cancel_target(inputs: Mapping[str, np.ndarray]) -> str | None:
+    """The request id a control request (`cancel_request_id`) asks to cancel, or None for a normal request."""
+    if "cancel_request_id" not in inputs:
+        return None
+    value = np.asarray(inputs["cancel_request_id"]).reshape(-1)[0]
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def output_arrays(token_ids: list[int]) -> dict[str, np.ndarray]:

@@ -42,7 +42,10 @@ class LLMService:
         self._interval_s = interval_s
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._active: dict[str, Any] = {}  # request id -> response sender
+        self._active: dict[str, Any] = {}  # request id -> response sender, until its final response is sent
+        # Held while sending a final response and while polling is_cancelled(): tritonserver 2.51 segfaults
+        # when is_cancelled() runs on a sender whose final response has gone (its factory is freed).
+        self._final_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._by_client_id: dict[str, str] = {}  # Triton request id given by the caller -> engine request id
         self._cancelled_total = 0
@@ -72,6 +75,16 @@ class LLMService:
     def _send(self, sender: Any, arrays_or_error: dict | BaseException | Any | None, final: bool) -> None:
         """Send output arrays, an error (exception or `pb.TritonError`), or nothing (flags only)."""
         flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if final:
+            with self._final_lock:
+                with self._lock:
+                    for request_id in [r for r, s in self._active.items() if s is sender]:
+                        del self._active[request_id]
+                self._send_now(sender, arrays_or_error, flags)
+        else:
+            self._send_now(sender, arrays_or_error, flags)
+
+    def _send_now(self, sender: Any, arrays_or_error: dict | BaseException | Any | None, flags: int) -> None:
         if arrays_or_error is None:
             sender.send(flags=flags)
         elif isinstance(arrays_or_error, dict):
@@ -95,7 +108,9 @@ class LLMService:
                     if not update.finished:
                         self.loop.cancel(request_id)
                 if self._was_cancelled(request_id):
-                    self._send(sender, self._cancelled_error(), final=True)
+                    # Flags only: an error-carrying final response sent from this thread after earlier
+                    # streamed ones never reaches a BLS caller on Triton 2.51 (its stream stalls).
+                    self._send(sender, None, final=True)
                     done = True
                     continue
                 collected.extend(tokens)
@@ -109,7 +124,7 @@ class LLMService:
                 error = self._cancelled_error() if self._was_cancelled(request_id) else RuntimeError(
                     "the engine loop stopped before the request finished")
                 self._send(sender, error, final=True)
-        except Exception as error:  # noqa: BLE001 - engine failure: tell the client, keep serving others
+        except Exception as error:
             if not done:
                 self._send(sender, RuntimeError(f"request failed: {error}"), final=True)
         finally:
@@ -140,14 +155,15 @@ class LLMService:
     # ---------------------------------------------------------------------------------------- supervisor
     def _supervise(self) -> None:
         while not self._stop.wait(self._interval_s):
-            with self._lock:
-                open_requests = [(rid, s) for rid, s in self._active.items() if rid not in self._cancelled]
-            for request_id, sender in open_requests:
-                if sender.is_cancelled():
-                    with self._lock:
-                        self._cancelled.add(request_id)
-                        self._cancelled_total += 1
-                    self.loop.cancel(request_id)
+            with self._final_lock:  # no final response can be sent while we poll
+                with self._lock:
+                    open_requests = [(rid, s) for rid, s in self._active.items() if rid not in self._cancelled]
+                newly_cancelled = [rid for rid, sender in open_requests if sender.is_cancelled()]
+            for request_id in newly_cancelled:
+                with self._lock:
+                    self._cancelled.add(request_id)
+                    self._cancelled_total += 1
+                self.loop.cancel(request_id)
             if self._metrics is not None:
                 self._metrics.update(self.stats())
 

@@ -145,7 +145,7 @@ class TritonServer:
             raise RuntimeError("server already started")
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+            self._log_file = open(self.log_path, "wb")
         self._process = subprocess.Popen(
             self.command(), env=self.environment(), stdout=self._log_file, stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -209,7 +209,7 @@ class TritonServer:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def __enter__(self) -> TritonServer:  # noqa: PYI034 - py3.10 has no typing.Self
+    def __enter__(self) -> TritonServer:
         self.start()
         return self
 

@@ -36,9 +36,10 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = self.tensors.request_arrays(pb_utils, request, (*self.requests.LLM_INPUTS, "cancel"))
-                if self.requests.is_cancel_request(inputs):
-                    self.service.cancel_client(request.request_id())
+                inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
+                target = self.requests.cancel_target(inputs)
+                if target is not None:  # control request from dhisparse_bls
+                    self.service.cancel_client(target)
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
                 self.service.start(self.requests.parse_llm_request(inputs), sender, request.request_id())
