@@ -77,7 +77,8 @@ _DTYPES = {"text_input": ("BYTES", object), "stop_words": ("BYTES", object),
            "min_length": ("INT32", np.int32), "length_penalty": ("FP32", np.float32),
            "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
            "frequency_penalty": ("FP32", np.float32), "return_log_probs": ("BOOL", bool),
-           "stop_words_list": ("INT32", np.int32), "bad_words_list": ("INT32", np.int32), "cancel_request_id": ("BYTES", object)}
+           "stop_words_list": ("INT32", np.int32), "bad_words_list": ("INT32", np.int32),
+           "cancel_request_id": ("BYTES", object)}
 
 
 def _grpc_inputs(values: dict[str, object]) -> list:

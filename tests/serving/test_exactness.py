@@ -22,7 +22,8 @@ def expected(offline_llm, tokenizer):
     prompt_ids = [tokenizer.encode(p).ids for p in PROMPTS]
     outputs = offline_llm.generate(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
     token_bytes = TokenBytes(tokenizer)
-    return [(ids, out.token_ids, token_bytes.decode(out.token_ids)) for ids, out in zip(prompt_ids, outputs, strict=True)]
+    pairs = zip(prompt_ids, outputs, strict=True)
+    return [(ids, out.token_ids, token_bytes.decode(out.token_ids)) for ids, out in pairs]
 
 
 def _concurrently(function, count: int) -> list:
