@@ -233,8 +233,8 @@ def main() -> None:
                 prompt_len=192 if quick else 384, new_tokens=8 if quick else 24, page_rows=16, resident_fit=4)
         if "load_step" in only:
             trace = run_load_step(engine, args.out, prompt_len=192 if quick else 384, page_rows=16, low=2,
-                                  high=6 if quick else 14, long_tokens=40 if quick else 120,
-                                  short_tokens=8 if quick else 24, high_at=10 if quick else 30)
+                                  high=6 if quick else 10, long_tokens=40 if quick else 160,
+                                  short_tokens=8 if quick else 16, high_at=10 if quick else 30)
             summary["load_step"] = {
                 f"{p}_{phase}_host_share": statistics.mean(
                     [r["host_share"] for r in trace if r["policy"] == p and r["phase"] == phase] or [0.0])

@@ -12,8 +12,10 @@ called between steps; at most one step is open at a time.
 Reclaim order (adaptive, when an admission's required memory does not fit): running requests holding
 reclaimable optional pages, fewest remaining decode tokens (``max_new_tokens - generated``) first, ties
 by most recently admitted first; *all* optional pages of one request at a time until the pages already
-leaving the device plus those taken cover the deficit. If every reclaimable page together cannot cover
-it, nothing is reclaimed and the admission waits (``try_admit`` returns False; the caller retries later).
+leaving the device plus those taken cover the deficit. Between steps ``try_admit`` then completes the
+outstanding copies (the deferred backups) and admits at once; during an open step it returns False and the
+memory frees after the step. If every reclaimable page together cannot cover it, nothing is reclaimed and
+the admission waits (``try_admit`` returns False; the caller retries later).
 While any admission waits, refill is paused.
 """
 
@@ -81,7 +83,11 @@ class KVManager:
         self._free_safe()
         deficit = fp.required_bytes - self.pool.spare_bytes
         if deficit > 0 and self.config.policy == "adaptive":
-            self._reclaim_for(deficit)
+            if self._reclaim_for(deficit) and self.step is None:
+                # Between steps the freed memory need not wait for the next poll: complete the outstanding
+                # copies (backups) and wait for the last step's readers, as a GPU would wait on its streams.
+                self.copies.wait_all()
+                self.fence.wait(self.fence.issued)
             self._free_safe()
             deficit = fp.required_bytes - self.pool.spare_bytes
         if deficit > 0:
@@ -91,18 +97,20 @@ class KVManager:
         self._admit(request_id, prompt_len, max_new_tokens, fp)
         return True
 
-    def _reclaim_for(self, deficit: int) -> None:
+    def _reclaim_for(self, deficit: int) -> bool:
+        """Reclaim whole requests' optional pages in reclaim order until the memory on its way out covers
+        ``deficit``. Returns whether it is covered (False: nothing was reclaimed, the admission waits)."""
         page_bytes = self.pool.page_bytes
         coming = page_bytes * sum(residency.outgoing_pages(r) for r in self.requests.values())
         coming += sum(r.footprint.required_bytes for r, _ in self.releasing)
         if coming >= deficit:
-            return
+            return True
         order = sorted(
             (r for r in self.requests.values() if residency.reclaimable_pages(r) > 0),
             key=lambda r: (r.prompt_len + r.max_new_tokens - r.length, -r.admit_order),
         )
         if coming + page_bytes * sum(residency.reclaimable_pages(r) for r in order) < deficit:
-            return  # optional pages cannot cover it: the admission waits, nothing is reclaimed
+            return False  # optional pages cannot cover it: the admission waits, nothing is reclaimed
         for req in order:
             taken = residency.reclaim_request(req, self.pool, self.host, self.copies, self.fence)
             self.counters["optional_pages_reclaimed"] += taken
@@ -110,6 +118,7 @@ class KVManager:
             coming += taken * page_bytes
             if coming >= deficit:
                 break
+        return True
 
     def _admit(self, request_id: str, prompt_len: int, max_new_tokens: int, fp: Footprint) -> None:
         layout, cfg, dev = self.layout, self.config, self.device
@@ -220,6 +229,7 @@ class KVManager:
             req.hot_stamp.copy_(step.hot_stamp[b])
             direct, hot, host = (float(v) for v in step.counts[b].tolist())
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
+                                ("resolved_rows", direct + hot + host), ("host_fetched_rows", host),
                                 ("host_fetched_bytes", host * self.layout.row_bytes)):
                 req.add_stat(name, value)
                 self.counters[name] += value
@@ -231,6 +241,7 @@ class KVManager:
         self.step = None
         self.fence.end()
         self.counters["steps"] += 1
+        self.counters["resolver_calls"] += step.resolver_calls
 
     # ---------------------------------------------------------------------------------------- progress
     def poll(self) -> None:

@@ -10,7 +10,10 @@ ENGINE_COUNTERS = (
     "rows_direct",  # distinct selected rows resolved at step 1 (tail or ready optional page)
     "rows_hot",  # ... at step 2 (hot cache hit)
     "rows_host",  # ... at step 3 (copied from host) == host-fetched rows
+    "resolved_rows",  # rows_direct + rows_hot + rows_host
+    "host_fetched_rows",  # == rows_host
     "host_fetched_bytes",  # rows_host * row bytes
+    "resolver_calls",  # resolve() calls (one per step, source and distinct positions tensor)
     "admissions",  # requests admitted
     "admissions_waited",  # admitted after at least one try_admit returned False
     "admission_wait_seconds",  # total wall time those admissions waited
@@ -28,6 +31,8 @@ REQUEST_COUNTERS = (
     "rows_direct",
     "rows_hot",
     "rows_host",
+    "resolved_rows",
+    "host_fetched_rows",
     "host_fetched_bytes",
     "optional_pages_reclaimed",
     "optional_pages_refilled",

@@ -70,6 +70,7 @@ class StepKV:
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
         self._resolved: dict[int, _Resolved] = {}
+        self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
 
     # ------------------------------------------------------------------------------------------ writes
@@ -151,6 +152,7 @@ class StepKV:
         flat = positions.reshape(len(self.requests), -1)
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
                       self.hot_loc[:, source], self.stamp, m.pool.page_rows)
+        self.resolver_calls += 1
         self.hot_pos[:, source] = res.hot_pos
         self.hot_stamp[:, source] = res.hot_stamp
         self.counts += res.counts
