@@ -1,0 +1,122 @@
+"""The scale model: how a GPU-scale configuration is mapped onto a KVManager small enough to run on a CPU.
+
+Two reductions, both exact in the byte accounting's dominant terms (see docs/planner.md):
+
+- **Sources**: only ``index_groups`` index groups (``S_s = index_groups * index_group_size`` layers) are
+  simulated; each stands for ``S_r / S_s`` real layers with the same selection statistics.
+- **Tokens**: positions, page size, ``index_topk``, ``B``, prompt and output lengths are divided by
+  ``token_scale = g``. One simulated row stands for ``g`` real rows, one simulated decode step for ``g`` real
+  decode steps (the step's shares of direct / hot / host rows apply to each of those ``g`` steps).
+
+Rows keep their real byte size (``row_bytes``, stored as float16 ``row_bytes / 2`` values), so page bytes and the
+LRU metadata (24 B per slot) scale by the same factor ``F = (S_r / S_s) * g``; the indexer key width is chosen
+so that key bytes scale by ``F`` too (rounded to whole float16 values). Page tables (8 B per page and source)
+scale by ``S_r / S_s`` only, and the tail ring has ``ceil((P_s - 1 + q) / P_s) + 1`` pages instead of
+``ceil((P_r - 1 + q) / P_r) + 1``; :func:`footprint_error` reports the resulting relative error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dhisparse.kv import KVConfig, KVLayout
+from dhisparse.kv.footprint import request_footprint
+from dhisparse.planner.specs import ModelSpec
+
+DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class ScaleSpec:
+    """Attributes:
+        token_scale: ``g``; must divide page_rows, index_topk and hot_rows.
+        index_groups: index groups simulated (each of ``index_group_size`` layers).
+    """
+
+    token_scale: int = 1
+    index_groups: int = 1
+
+    def __post_init__(self) -> None:
+        if self.token_scale < 1 or self.index_groups < 1:
+            raise ValueError("token_scale and index_groups must be >= 1")
+
+
+@dataclass(frozen=True)
+class ScaledKV:
+    """The simulated KV configuration and the factors that map it back to the real GPU.
+
+    Attributes:
+        layout / config: what the real :class:`KVManager` is built with.
+        real_layout / real_config: the unscaled layout and budget (used for footprints and reporting only).
+        byte_factor: real bytes per simulated byte (``F``), also real rows per simulated row.
+        source_factor: real layers per simulated layer (``S_r / S_s``).
+        token_scale: ``g``.
+    """
+
+    layout: KVLayout
+    config: KVConfig
+    real_layout: KVLayout
+    real_config: KVConfig
+    byte_factor: float
+    source_factor: float
+    token_scale: int
+
+    def sim_tokens(self, real_tokens: int) -> int:
+        """Simulated length of ``real_tokens`` tokens (at least 1)."""
+        return max(1, round(real_tokens / self.token_scale))
+
+    def sim_output_tokens(self, real_tokens: int) -> int:
+        """Simulated output budget: the prefill token plus ``ceil((out - 1) / g)`` decode steps of ``g``."""
+        return 1 + -(-(real_tokens - 1) // self.token_scale)
+
+
+def _layout(num_layers: int, group: int, row_bytes: int, key_dim: int, topk: int) -> KVLayout:
+    leaders = tuple(range(0, num_layers, group))
+    groups = tuple(tuple(range(i, min(i + group, num_layers))) for i in leaders) if group > 1 else ()
+    return KVLayout(num_layers=num_layers, source_of_layer=tuple(range(num_layers)), row_dim=row_bytes // 2,
+                    dtype=DTYPE, indexer_layers=leaders, index_key_dim=key_dim, index_topk=topk,
+                    index_groups=groups)
+
+
+def build_scaled_kv(model: ModelSpec, scale: ScaleSpec, policy: str, pool_bytes: float, hot_rows: int,
+                    page_rows: int, reserve_bytes: float, refill_pages_per_step: int,
+                    max_query_len: int) -> ScaledKV:
+    """Build the simulated and real KV layouts/configs (all byte and row arguments are *real* values)."""
+    g = scale.token_scale
+    if model.row_bytes % 2 or model.index_key_bytes % 2:
+        raise ValueError("row_bytes and index_key_bytes must be even (stored as float16)")
+    for name, value in (("page_rows", page_rows), ("index_topk", model.index_topk), ("hot_rows", hot_rows)):
+        if value % g:
+            raise ValueError(f"token_scale {g} must divide {name} ({value})")
+    sim_layers = min(model.num_layers, scale.index_groups * model.index_group_size)
+    source_factor = model.num_layers / sim_layers
+    byte_factor = source_factor * g
+    sim_indexers = -(-sim_layers // model.index_group_size)
+    # key bytes must scale by F: n_r * C_r * kb_r = F * n_s * (C_r / g) * kb_s
+    key_bytes = model.index_key_bytes * model.num_indexers / (sim_indexers * source_factor)
+    real_layout = _layout(model.num_layers, model.index_group_size, model.row_bytes, model.index_key_bytes // 2,
+                          model.index_topk)
+    layout = _layout(sim_layers, model.index_group_size, model.row_bytes, max(1, round(key_bytes / 2)),
+                     model.index_topk // g)
+    real_config = KVConfig(policy=policy, pool_bytes=int(pool_bytes), hot_rows=hot_rows, page_rows=page_rows,
+                           reserve_bytes=int(reserve_bytes), refill_pages_per_step=refill_pages_per_step,
+                           max_query_len=max_query_len)
+    # a simulated page is S_r / S_s real pages; a simulated step is g real steps
+    refill = 0 if refill_pages_per_step == 0 else max(1, round(refill_pages_per_step * g / source_factor))
+    config = KVConfig(policy=policy, pool_bytes=int(pool_bytes / byte_factor), hot_rows=hot_rows // g,
+                      page_rows=page_rows // g, reserve_bytes=int(reserve_bytes / byte_factor),
+                      refill_pages_per_step=refill, max_query_len=max_query_len)
+    config.validate_for(layout)
+    real_config.validate_for(real_layout)
+    return ScaledKV(layout, config, real_layout, real_config, byte_factor, source_factor, g)
+
+
+def footprint_error(kv: ScaledKV, prompt_tokens: int, output_tokens: int) -> dict[str, float]:
+    """Required bytes of one request: real (analytic) vs simulated x ``F``; ``relative_error`` = sim/real - 1."""
+    real = request_footprint(kv.real_layout, kv.real_config, prompt_tokens, output_tokens).required_bytes
+    sim = request_footprint(kv.layout, kv.config, kv.sim_tokens(prompt_tokens),
+                            kv.sim_output_tokens(output_tokens)).required_bytes * kv.byte_factor
+    return {"real_required_bytes": float(real), "scaled_required_bytes": float(sim),
+            "relative_error": sim / real - 1.0}

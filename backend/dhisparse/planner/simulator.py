@@ -1,0 +1,264 @@
+"""Step-level simulation of one decode GPU: :class:`EngineCore` (real KV code) + scale model + time model.
+
+Public API::
+
+    result = simulate(hw, model, serving, workload, scale=ScaleSpec(token_scale=32), drafter=None)
+    result.summary()   # output tokens/s per GPU, mean TTFT, mean TPOT, host-fetched share, ...
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dhisparse.planner.core import EngineCore, SimRequest, StepOutcome
+from dhisparse.planner.locality import SyntheticSelector
+from dhisparse.planner.scale import ScaledKV, ScaleSpec, build_scaled_kv
+from dhisparse.planner.specs import DRAFTERS, DrafterSpec, HardwareSpec, ModelSpec
+from dhisparse.planner.timing import StepLoad, decode_step_seconds, prefill_seconds
+from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+
+
+@dataclass
+class TimelinePoint:
+    """One engine step: clock after it (s), batch, queue, memory split (real bytes), host share of the step."""
+
+    time_s: float
+    batch: int
+    waiting: int
+    required_bytes: float
+    optional_bytes: float
+    reserve_bytes: float
+    pool_bytes: float
+    host_share: float
+    step_s: float
+
+
+@dataclass
+class SimResult:
+    """Per-request records, the timeline and the KV counters of one run (real units)."""
+
+    label: str
+    requests: list[SimRequest]
+    timeline: list[TimelinePoint]
+    counters: dict[str, float]
+    output_tokens: float
+    makespan_s: float
+    sim_steps: int
+    token_scale: int
+    byte_factor: float
+    max_batch: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float]:
+        done = [r for r in self.requests if r.finish_s is not None]
+        ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
+        tpot = []
+        for r in done:
+            real = r.extra_real_tokens  # type: ignore[attr-defined]
+            if real > 1 and r.first_token_s is not None and r.finish_s is not None:
+                tpot.append((r.finish_s - r.first_token_s) / (real - 1))
+        c = self.counters
+        selected = c["rows_direct"] + c["rows_hot"] + c["rows_host"]
+        busy = [p for p in self.timeline if p.batch > 0]
+        return {
+            "output_tok_per_s": self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0,
+            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else math.nan,
+            "mean_tpot_s": sum(tpot) / len(tpot) if tpot else math.nan,
+            "direct_share": c["rows_direct"] / selected if selected else 0.0,
+            "hot_share": c["rows_hot"] / selected if selected else 0.0,
+            "host_share": c["rows_host"] / selected if selected else 0.0,
+            "mean_batch": sum(p.batch for p in busy) / len(busy) if busy else 0.0,
+            "max_batch": float(self.max_batch),
+            "requests_done": float(len(done)),
+            "admissions_waited": float(sum(r.waited for r in self.requests)),
+            "reclaim_events": c["reclaim_events"],
+            "makespan_s": self.makespan_s,
+            "sim_steps": float(self.sim_steps),
+            **self.extra,
+        }
+
+
+class Simulator:
+    """One run of ``workload`` served with ``serving`` by ``model`` on ``hw`` (see the module docstring)."""
+
+    def __init__(self, hw: HardwareSpec, model: ModelSpec, serving: ServingSpec, workload: WorkloadSpec,
+                 scale: ScaleSpec = ScaleSpec(), drafter: DrafterSpec | None = None,
+                 check_invariants_every: int = 0) -> None:
+        spec = serving.speculation
+        if spec is not None and drafter is None:
+            drafter = DRAFTERS[spec.drafter]
+        self.hw, self.model, self.serving, self.workload, self.drafter = hw, model, serving, workload, drafter
+        pool = model.kv_pool_bytes(hw, drafter.weight_bytes if (drafter and spec) else 0.0)
+        self.kvs: ScaledKV = build_scaled_kv(model, scale, serving.policy, pool,
+                                             serving.hot_rows_for(model.index_topk), serving.page_rows,
+                                             serving.reserve_bytes, serving.refill_pages_per_step,
+                                             serving.max_query_len)
+        g = self.kvs.token_scale
+        self.g = g
+        groups = -(-self.kvs.layout.num_layers // model.index_group_size)
+        self.selector = SyntheticSelector(serving.locality, self.kvs.layout.index_topk, groups, g, workload.seed)
+        self.gen = torch.Generator().manual_seed(workload.seed + 1)
+        self.core = EngineCore(self.kvs.layout, self.kvs.config, serving.max_batch_size,
+                               serving.max_prefill_tokens_per_step, self._positions,
+                               prefill_tokens=lambda r: r.prompt_tokens,  # type: ignore[attr-defined]
+                               on_release=self._released)
+        self.check_every = check_invariants_every
+        self.clock = 0.0
+        self.issued = 0
+        self.requests: list[SimRequest] = []
+        self.arrivals: collections.deque[float] = collections.deque(
+            workload.poisson_arrivals() if workload.concurrency == 0 else [])
+
+    # ------------------------------------------------------------------------------------------- requests
+    def _new_request(self, arrival_s: float) -> None:
+        w, kvs = self.workload, self.kvs
+        req = SimRequest(f"r{self.issued}", kvs.sim_tokens(w.input_tokens), kvs.sim_output_tokens(w.output_tokens),
+                         arrival_s=arrival_s)
+        req.prompt_tokens = w.input_tokens  # type: ignore[attr-defined]
+        req.extra_real_tokens = 0  # type: ignore[attr-defined]
+        self.issued += 1
+        self.requests.append(req)
+        self.core.waiting.append(req)
+
+    def _issue(self) -> None:
+        w = self.workload
+        if w.concurrency == 0:
+            while self.arrivals and self.arrivals[0] <= self.clock:
+                self._new_request(self.arrivals.popleft())
+            return
+        alive = len(self.core.waiting) + len(self.core.running)
+        while alive < w.clients_at(self.clock) and self.issued < w.total_requests:
+            self._new_request(self.clock)
+            alive += 1
+
+    def _next_event_s(self) -> float | None:
+        w = self.workload
+        if w.concurrency == 0:
+            return self.arrivals[0] if self.arrivals else None
+        later = [s for s, c in w.concurrency_schedule if s > self.clock and c > 0]
+        return min(later) if later and self.issued < w.total_requests else None
+
+    def _released(self, req: SimRequest) -> None:
+        self._finished_now.append(req)
+        req.extra_real_tokens = min(self.workload.output_tokens, 1 + (req.generated - 1) * self.g)  # type: ignore[attr-defined]
+        self.selector.forget(req.request_id)
+
+    # ------------------------------------------------------------------------------------------- per step
+    def _context(self, batch: list[SimRequest]) -> torch.Tensor:
+        return torch.tensor([r.kv_length * self.g for r in batch], dtype=torch.int64)
+
+    def _positions(self, batch: list[SimRequest], starts: torch.Tensor, query_lens: torch.Tensor,
+                   q: int) -> dict[int, torch.Tensor]:
+        per_group = self.selector.select([r.request_id for r in batch], starts, query_lens, q)
+        size = self.model.index_group_size
+        return {layer: per_group[layer // size] for layer in range(self.kvs.layout.num_layers)}
+
+    def _accept(self, batch: list[SimRequest], query_lens: torch.Tensor) -> torch.Tensor:
+        spec = self.serving.speculation
+        if spec is None:
+            return torch.ones(len(batch), dtype=torch.int64)
+        return spec.sample_accepted(query_lens, self._context(batch), self.gen)
+
+    def _on_admit(self, req: SimRequest) -> None:
+        req.admitted_s = self.clock
+        self.clock += prefill_seconds(self.hw, self.model, req.prompt_tokens)  # type: ignore[attr-defined]
+        req.first_token_s = self.clock
+
+    def _decode_load(self, batch: list[SimRequest], query_lens: torch.Tensor, context: torch.Tensor,
+                     host_rows_sim: float, refill_pages_sim: float) -> StepLoad:
+        m, kvs = self.model, self.kvs
+        ctx = context.to(torch.float64)
+        q = query_lens.to(torch.float64)
+        page_bytes_sim = kvs.config.page_rows * kvs.layout.row_bytes
+        host_bytes = (host_rows_sim * kvs.byte_factor * m.row_bytes
+                      + refill_pages_sim * page_bytes_sim * kvs.byte_factor / self.g)
+        spec = self.serving.speculation
+        return StepLoad(batch=len(batch), query_tokens=int(q.sum()),
+                        attention_rows=float((q * torch.clamp(ctx, max=m.index_topk)).sum()) * m.num_layers,
+                        index_keys_scanned=float((q * ctx).sum()) * m.num_indexers, host_bytes=host_bytes,
+                        draft_tokens=0 if spec is None else spec.gamma * len(batch))
+
+    def step(self) -> tuple[StepOutcome, float]:
+        """One engine step; advances the clock. Returns the outcome and the decode time (s)."""
+        core = self.core
+        before = core.counters()
+        out = StepOutcome()
+        core.kv.poll()
+        self._finished_now: list[SimRequest] = []
+        core.admit(out, self._on_admit)
+        self._stamp_finished()
+        step_s = 0.0
+        if core.running:
+            batch = list(core.running)
+            spec = self.serving.speculation
+            q = (torch.ones(len(batch), dtype=torch.int64) if spec is None
+                 else spec.verify_lengths(self._context(batch), len(batch)))
+            load_ctx = self._context(batch)
+            mid = core.counters()
+            core.decode(out, q, self._accept)
+            after = core.counters()
+            load = self._decode_load(batch, q, load_ctx, after["rows_host"] - mid["rows_host"],
+                                     after["optional_pages_refill_issued"] - before["optional_pages_refill_issued"])
+            step_s = decode_step_seconds(self.hw, self.model, load, self.drafter if spec else None)["total"] * self.g
+            self.clock += step_s
+            self._stamp_finished()
+            host = after["rows_host"] - mid["rows_host"]
+            sel = host + after["rows_direct"] - mid["rows_direct"] + after["rows_hot"] - mid["rows_hot"]
+            self._record(len(batch), host / sel if sel else 0.0, step_s)
+        out.counters = core.counters()
+        return out, step_s
+
+    def _stamp_finished(self) -> None:
+        for req in self._finished_now:
+            req.finish_s = self.clock
+        self._finished_now = []
+
+    def _record(self, batch: int, host_share: float, step_s: float) -> None:
+        pool, f = self.core.kv.pool, self.kvs.byte_factor
+        self.timeline.append(TimelinePoint(self.clock, batch, len(self.core.waiting), pool.required_bytes * f,
+                                           pool.optional_bytes * f, pool.reserve_bytes * f, pool.pool_bytes * f,
+                                           host_share, step_s))
+        self.max_batch = max(self.max_batch, batch)
+
+    def run(self, max_sim_steps: int = 10_000_000) -> SimResult:
+        """Run until every request of the workload has finished (or ``max_sim_steps``)."""
+        self.timeline: list[TimelinePoint] = []
+        self.max_batch = 0
+        steps = 0
+        idle = 0
+        while steps < max_sim_steps:
+            self._issue()
+            core = self.core
+            if not core.waiting and not core.running:
+                nxt = self._next_event_s()
+                if nxt is None:
+                    break
+                self.clock = max(self.clock, nxt)
+                continue
+            out, _ = self.step()
+            steps += 1
+            if self.check_every and steps % self.check_every == 0:
+                core.kv.check_invariants()
+            idle = idle + 1 if not out.batch and not out.admitted else 0
+            if idle > 3:
+                raise RuntimeError("simulation stalled: requests wait but nothing runs (pool too small?)")
+        core = self.core
+        core.kv.poll()
+        if self.check_every:
+            core.kv.check_invariants()
+        real_tokens = sum(r.extra_real_tokens for r in self.requests if r.finish_s is not None)  # type: ignore[attr-defined]
+        start = min((r.arrival_s for r in self.requests), default=0.0)
+        return SimResult(self.serving.label, self.requests, self.timeline,
+                         {k: float(v) for k, v in core.kv.counters.items()}, float(real_tokens),
+                         self.clock - start, steps, self.g, self.kvs.byte_factor, self.max_batch)
+
+
+def simulate(hw: HardwareSpec, model: ModelSpec, serving: ServingSpec, workload: WorkloadSpec,
+             scale: ScaleSpec = ScaleSpec(), drafter: DrafterSpec | None = None,
+             check_invariants_every: int = 0) -> SimResult:
+    """Build a :class:`Simulator` and run it to completion."""
+    return Simulator(hw, model, serving, workload, scale, drafter, check_invariants_every).run()

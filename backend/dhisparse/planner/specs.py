@@ -1,0 +1,242 @@
+"""Hardware and model descriptions for the planner, with presets whose sources are cited.
+
+Every quantity carries its unit in its name (``_bytes``, ``_bytes_per_s``, ``_flops``, ``_s``). Presets
+quote the public figure they come from; values that are *assumptions* (not published) say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        if not getattr(obj, name) > 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {getattr(obj, name)}")
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One decode GPU and its host link.
+
+    Attributes:
+        name: label.
+        hbm_bytes: device memory (bytes).
+        hbm_bytes_per_s: device memory bandwidth (bytes/s).
+        host_link_bytes_per_s: *effective* host→device bandwidth for gathered KV rows (bytes/s).
+        flops_per_s: dense tensor FLOP rate at the serving precision (FLOP/s).
+        mfu: fraction of ``flops_per_s`` reached by decode/prefill kernels (0..1).
+        step_overhead_s: fixed time per decode step: launches, collectives, sampling, scheduling (s).
+        host_overlap: fraction of host-fetch time hidden behind compute (0 = serialised, conservative).
+        source: where the figures come from.
+    """
+
+    name: str
+    hbm_bytes: float
+    hbm_bytes_per_s: float
+    host_link_bytes_per_s: float
+    flops_per_s: float
+    mfu: float = 0.4
+    step_overhead_s: float = 0.012
+    host_overlap: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(self, "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "flops_per_s", "mfu")
+        if self.step_overhead_s < 0 or not 0.0 <= self.host_overlap <= 1.0 or self.mfu > 1.0:
+            raise ValueError("step_overhead_s must be >= 0, host_overlap and mfu in [0, 1]")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A DSA model as one GPU of its deployment sees it.
+
+    Attributes:
+        name: label.
+        num_layers: decoder layers (one KV source each).
+        index_group_size: layers per index group (1: every layer has its own indexer, DeepSeek-V3.2;
+            4: GLM IndexShare, the first layer of each group computes the top-k, the others reuse it).
+        index_topk: positions one query selects per layer.
+        row_bytes: bytes of one KV row (one token, one layer) in the serving layout.
+        index_key_bytes: bytes of one indexer key (one token, one indexer layer).
+        attn_heads: query heads per GPU after tensor parallelism (MLA absorbed decode).
+        attn_flops_per_head_row: FLOPs per head and selected row (score + value accumulation).
+        index_heads: indexer heads; index_head_dim: their width (indexer FLOPs = 2*heads*dim per key).
+        total_params / active_params: parameters (all / activated per token).
+        dense_params: parameters every token reads (attention, dense layers, shared experts, embeddings).
+        moe_layers, num_experts, experts_per_token: routed-expert structure.
+        weight_bytes_per_param: weight precision (1.0 FP8, 0.5625 NVFP4 with scales).
+        gpus: GPUs the weights are split over (TP/EP); KV is per GPU (MLA latent replicated under TP).
+        workspace_bytes: activations, CUDA graphs, communication buffers per GPU (assumption).
+        source: where the figures come from.
+    """
+
+    name: str
+    num_layers: int
+    index_group_size: int
+    index_topk: int
+    row_bytes: int
+    index_key_bytes: int
+    attn_heads: int
+    index_heads: int
+    index_head_dim: int
+    total_params: float
+    active_params: float
+    dense_params: float
+    moe_layers: int
+    num_experts: int
+    experts_per_token: int
+    weight_bytes_per_param: float = 1.0
+    gpus: int = 8
+    workspace_bytes: float = 10e9
+    attn_flops_per_head_row: float = 2.0 * (576 + 512)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_layers", "index_group_size", "index_topk", "row_bytes", "index_key_bytes",
+                  "attn_heads", "index_heads", "index_head_dim", "total_params", "active_params",
+                  "weight_bytes_per_param", "gpus", "num_experts", "experts_per_token")
+        if self.index_group_size > self.num_layers or self.experts_per_token > self.num_experts:
+            raise ValueError("index_group_size must be <= num_layers and experts_per_token <= num_experts")
+        if self.dense_params > self.active_params or self.active_params > self.total_params:
+            raise ValueError("need dense_params <= active_params <= total_params")
+
+    @property
+    def num_indexers(self) -> int:
+        """Layers that own an indexer (first layer of each index group)."""
+        return -(-self.num_layers // self.index_group_size)
+
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        return self.total_params * self.weight_bytes_per_param / self.gpus
+
+    @property
+    def expert_params(self) -> float:
+        """Parameters of one routed expert (from the total minus the dense part)."""
+        return (self.total_params - self.dense_params) / (self.moe_layers * self.num_experts)
+
+    def kv_pool_bytes(self, hw: HardwareSpec, extra_weight_bytes: float = 0.0) -> float:
+        """Device KV budget per GPU: HBM minus weights, drafter weights and workspace (bytes)."""
+        pool = hw.hbm_bytes - self.weight_bytes_per_gpu - extra_weight_bytes - self.workspace_bytes
+        if pool <= 0:
+            raise ValueError(f"{self.name} on {hw.name}: weights and workspace leave no KV pool ({pool:.3g} B)")
+        return pool
+
+    def resident_bytes_per_token(self) -> int:
+        """Device bytes of one token of history under ``resident``: rows of all layers + indexer keys."""
+        return self.num_layers * self.row_bytes + self.num_indexers * self.index_key_bytes
+
+    def with_(self, **changes: object) -> ModelSpec:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A draft model as the time model sees it.
+
+    Attributes:
+        name: ``dflash2`` (block drafter, one forward per proposal) or ``dspark`` (parallel backbone with a
+            confidence head that a busy scheduler uses to shorten verification).
+        weight_bytes: drafter weights per GPU (bytes), read once per draft pass.
+        pass_overhead_s: fixed time of one draft pass (s).
+        flops_per_token: drafter FLOPs per proposed token.
+    """
+
+    name: str
+    weight_bytes: float
+    pass_overhead_s: float = 0.002
+    flops_per_token: float = 2 * 1.0e9
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.name not in ("dflash2", "dspark"):
+            raise ValueError(f"drafter name must be 'dflash2' or 'dspark', got {self.name!r}")
+        if self.weight_bytes < 0 or self.pass_overhead_s < 0 or self.flops_per_token < 0:
+            raise ValueError("drafter weight_bytes, pass_overhead_s and flops_per_token must be >= 0")
+
+
+H200 = HardwareSpec(
+    name="H200",
+    hbm_bytes=141e9,
+    hbm_bytes_per_s=4.8e12,
+    host_link_bytes_per_s=25e9,
+    flops_per_s=1979e12,
+    source=("NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s, FP8 1,979 TFLOPS dense (3,958 with "
+            "sparsity); host link PCIe Gen5 x16 (64 GB/s per direction nominal). ASSUMED: 25 GB/s effective for "
+            "scattered 656-byte row gathers, step overhead 12 ms (TP8 collectives + launches), mfu 0.4."),
+)
+
+RTX_PRO_6000 = HardwareSpec(
+    name="RTX PRO 6000 Blackwell",
+    hbm_bytes=96e9,
+    hbm_bytes_per_s=1.792e12,
+    host_link_bytes_per_s=20e9,
+    flops_per_s=1000e12,
+    source=("NVIDIA RTX PRO 6000 Blackwell Server Edition: 96 GB GDDR7, 1.792 TB/s, PCIe Gen5 x16. ASSUMED: "
+            "~1 PFLOPS FP8 dense, 20 GB/s effective row-gather host bandwidth; step overhead is fitted (see "
+            "docs/planner.md, HiSparse validation)."),
+)
+
+GLM5 = ModelSpec(
+    name="GLM-5",
+    num_layers=78,
+    index_group_size=1,
+    index_topk=2048,
+    row_bytes=656,
+    index_key_bytes=132,
+    attn_heads=64 // 8,
+    index_heads=32,
+    index_head_dim=128,
+    total_params=744e9,
+    active_params=40e9,
+    dense_params=12e9,
+    moe_layers=75,
+    num_experts=256,
+    experts_per_token=8,
+    weight_bytes_per_param=1.0,
+    gpus=8,
+    source=("zai-org/GLM-5 model card: 744B total / 40B active parameters, 78 layers, DSA index_topk 2048, "
+            "MLA kv_lora_rank 512 + rope 64, 256 routed experts top-8; sglang PR #31992: FP8 MLA row 656 "
+            "bytes/layer/token and indexer key 132 bytes/layer/token (92,352 B/token for 78 layers at "
+            "host_to_device_ratio 4). ASSUMED: 12B dense params, 64 heads split over TP8, 10 GB workspace."),
+)
+
+GLM5_INDEXSHARE_NVFP4 = GLM5.with_(
+    name="GLM-5.x IndexShare NVFP4",
+    index_group_size=4,
+    weight_bytes_per_param=0.5625,
+    source=(GLM5.source + " IndexShare (indexer on 1 of 4 layers): NVIDIA/cudnn-frontend issue #827 (GLM-5.2). "
+            "ASSUMED NVFP4 weights (0.5 B/param + scales): the paper's GLM-5.3 is not public; with these "
+            "assumptions ~33 32K+8K histories fit one H200, matching the paper's 'fits up to C32'."),
+)
+
+DSV32 = ModelSpec(
+    name="DeepSeek-V3.2",
+    num_layers=61,
+    index_group_size=1,
+    index_topk=2048,
+    row_bytes=656,
+    index_key_bytes=132,
+    attn_heads=128 // 8,
+    index_heads=64,
+    index_head_dim=128,
+    total_params=671e9,
+    active_params=37e9,
+    dense_params=11e9,
+    moe_layers=58,
+    num_experts=256,
+    experts_per_token=8,
+    weight_bytes_per_param=1.0,
+    gpus=8,
+    source=("deepseek-ai/DeepSeek-V3.2-Exp config/model card: 671B total / 37B active, 61 layers (3 dense), 128 "
+            "heads, MLA 512+64, 256 routed experts top-8, indexer 64 heads x 128, index_topk 2048; FP8 row 656 "
+            "B and indexer key 132 B as in sglang's DSA pool (PR #31992). ASSUMED: 11B dense params."),
+)
+
+DRAFTERS = {
+    "dflash2": DrafterSpec("dflash2", weight_bytes=2e9, pass_overhead_s=0.002, flops_per_token=2 * 1e9),
+    "dspark": DrafterSpec("dspark", weight_bytes=1.5e9, pass_overhead_s=0.0015, flops_per_token=2 * 0.75e9),
+}
+
+HARDWARE_PRESETS = {"h200": H200, "rtx-pro-6000": RTX_PRO_6000}
+MODEL_PRESETS = {"glm5": GLM5, "glm5-indexshare-nvfp4": GLM5_INDEXSHARE_NVFP4, "dsv32": DSV32}

@@ -1,0 +1,80 @@
+"""The time model: what a decode step and a prefill cost on one GPU (the only modelled quantity).
+
+Decode step (seconds)::
+
+    t = step_overhead + max(hbm_bytes / hbm_bw, flops / (flop_rate * mfu)) + (1 - host_overlap) * host_bytes / host_bw
+        [+ draft pass: drafter overhead + drafter weights / hbm_bw + drafter flops / (flop_rate * mfu)]
+
+- ``hbm_bytes``: weights read (dense part + the routed experts the step's tokens touch:
+  ``E * (1 - (1 - k/E)^tokens)`` per MoE layer), the rows attention reads (each query its own selection,
+  ``min(index_topk, L)`` rows per layer), and the indexer keys scanned (``L`` keys per indexer layer per query).
+- ``flops``: ``2 * active_params`` per token, indexer ``2 * heads * dim`` per scanned key, attention
+  ``attn_flops_per_head_row * heads`` per selected row.
+- ``host_bytes``: rows fetched from host (resolver step 3) and optional pages refilled, in real bytes.
+
+Prefill (seconds): ``2 * active_params * T`` + indexer ``2 * heads * dim * T^2 / 2`` per indexer layer + sparse
+attention ``T * min(topk, T)`` rows per layer, at ``flop_rate * mfu``, divided over the model's GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dhisparse.planner.specs import DrafterSpec, HardwareSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one real decode step does (all real quantities).
+
+    Attributes:
+        batch: requests in the step.
+        query_tokens: query tokens over the batch (``sum q_i``).
+        attention_rows: rows read by attention over all layers and queries.
+        index_keys_scanned: indexer keys scored over all indexer layers and queries.
+        host_bytes: bytes moved host→device (fetched rows + refilled pages).
+        draft_tokens: draft tokens proposed (0 without speculation).
+    """
+
+    batch: int
+    query_tokens: int
+    attention_rows: float
+    index_keys_scanned: float
+    host_bytes: float
+    draft_tokens: int = 0
+
+
+def weight_bytes_read(model: ModelSpec, tokens: int) -> float:
+    """Weight bytes one GPU reads in a forward over ``tokens`` tokens."""
+    frac = 1.0 - (1.0 - model.experts_per_token / model.num_experts) ** max(tokens, 0)
+    params = model.dense_params + model.moe_layers * model.num_experts * frac * model.expert_params
+    return params * model.weight_bytes_per_param / model.gpus
+
+
+def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
+                        drafter: DrafterSpec | None = None) -> dict[str, float]:
+    """Time of one real decode (or verification) step and its parts (seconds)."""
+    rate = hw.flops_per_s * hw.mfu
+    kv_bytes = load.attention_rows * model.row_bytes + load.index_keys_scanned * model.index_key_bytes
+    hbm = (weight_bytes_read(model, load.query_tokens) + kv_bytes) / hw.hbm_bytes_per_s
+    flops = (2.0 * model.active_params / model.gpus * load.query_tokens
+             + 2.0 * model.index_heads * model.index_head_dim * load.index_keys_scanned / model.gpus
+             + model.attn_flops_per_head_row * model.attn_heads * load.attention_rows)
+    compute = max(hbm, flops / rate)
+    host = (1.0 - hw.host_overlap) * load.host_bytes / hw.host_link_bytes_per_s
+    draft = 0.0
+    if drafter is not None and load.draft_tokens > 0:
+        draft = (drafter.pass_overhead_s + drafter.weight_bytes / hw.hbm_bytes_per_s
+                 + drafter.flops_per_token * load.draft_tokens / rate)
+    total = hw.step_overhead_s + compute + host + draft
+    return {"total": total, "overhead": hw.step_overhead_s, "compute": compute, "host": host, "draft": draft}
+
+
+def prefill_seconds(hw: HardwareSpec, model: ModelSpec, tokens: int) -> float:
+    """Time to prefill ``tokens`` prompt tokens on the serving GPUs (seconds)."""
+    t = float(tokens)
+    flops = (2.0 * model.active_params * t
+             + model.num_indexers * 2.0 * model.index_heads * model.index_head_dim * t * t / 2.0
+             + model.num_layers * model.attn_flops_per_head_row * model.attn_heads * model.gpus
+             * t * min(model.index_topk, t))
+    return flops / model.gpus / (hw.flops_per_s * hw.mfu)
