@@ -1,8 +1,9 @@
 """Serving tests: a real tritonserver serving a tiny engine, started once per session on free loopback ports.
 
 The engine is a random-init GLM-MoE-DSA model built through `dhisparse-build`'s code path. Its KV policy
-comes from `DHISPARSE_SERVING_KV_POLICY` (default: `dense`). The server is stopped at session end, and
-also at interpreter exit should the session die first.
+comes from `DHISPARSE_SERVING_KV_POLICY` (default: `adaptive`) with a device pool of `POOL_BYTES`, small
+enough that 16 concurrent requests wait for admission and have their optional pages reclaimed. The server
+is stopped at session end, and also at interpreter exit should the session die first.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-KV_POLICY = os.environ.get("DHISPARSE_SERVING_KV_POLICY", "dense")
+KV_POLICY = os.environ.get("DHISPARSE_SERVING_KV_POLICY", "adaptive")
+POOL_BYTES = 160 * 1024
 MAX_MODEL_LEN = 256
 
 
@@ -53,7 +55,7 @@ def served(tiny_engine: Path, tmp_path_factory: pytest.TempPathFactory):
     from dhisparse.serving.triton_install import TritonInstall, prepare_backend_dir
 
     work = tmp_path_factory.mktemp("triton")
-    overrides = {"kv_policy": KV_POLICY}
+    overrides = {"kv_policy": KV_POLICY, "pool_bytes": POOL_BYTES}
     fill_model_repository(RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100), work / "repo")
     install = TritonInstall.locate()
     backend_dir = prepare_backend_dir(install, work / "backends")
@@ -73,7 +75,7 @@ def offline_llm(tiny_engine: Path):
     """The same engine in-process, for reference outputs."""
     from dhisparse import LLM
 
-    return LLM(tiny_engine, kv_policy=KV_POLICY)
+    return LLM(tiny_engine, kv_policy="dense")  # the reference every policy must match
 
 
 @pytest.fixture(scope="session")

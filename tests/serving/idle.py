@@ -1,34 +1,43 @@
-"""Waiting for the served engine to return to idle, read through /metrics."""
+"""Waiting for the served engine to return to idle, read through /metrics.
+
+Idle is defined by the KV manager's real occupancy statistics (`KVManager.stats`, docs/kv.md) plus the
+engine's and the serving layer's request gauges: with no request open, every tier is empty. A released
+request's pages are freed at the loop's next poll, so `kv_requests_releasing` may stay at 1 for a moment.
+"""
 
 from __future__ import annotations
 
 import time
 
-# Occupancy statistics that must come back to zero when no request is open. Cumulative counters
-# (tokens, steps, fetched bytes) are excluded; KV occupancy is matched by name.
-OCCUPANCY_EXACT = ("requests_running", "requests_waiting", "kv_requests", "serving_active_requests")
-OCCUPANCY_WORDS = ("used_bytes", "bytes_used", "pages_in_use", "pages_used", "resident_rows", "pages_resident")
+# Gauges that are 0 when no request is open (cumulative counters are excluded on purpose).
+KV_OCCUPANCY = (
+    "kv_required_bytes", "kv_optional_bytes", "kv_optional_pages_resident", "kv_requests_running",
+    "kv_requests_waiting", "kv_requests_releasing", "kv_copies_pending", "kv_host_pages_used",
+)
+REQUEST_GAUGES = ("requests_running", "requests_waiting", "serving_active_requests")
+IDLE = dict.fromkeys(KV_OCCUPANCY + REQUEST_GAUGES, 0.0)
 
 
 def occupancy(metrics: dict[str, float]) -> dict[str, float]:
-    """The occupancy subset of a `client.metrics()` snapshot."""
-    return {k: v for k, v in metrics.items() if k in OCCUPANCY_EXACT or any(w in k for w in OCCUPANCY_WORDS)}
+    """The occupancy subset of a `client.metrics()` snapshot (absent gauges read as missing, not 0)."""
+    return {k: metrics[k] for k in IDLE if k in metrics}
 
 
-def wait_idle(client, idle: dict[str, float], timeout_s: float = 20.0) -> dict[str, float]:
-    """Poll until every occupancy metric equals its `idle` value; return the last snapshot or raise."""
+def wait_idle(client, timeout_s: float = 20.0) -> dict[str, float]:
+    """Poll until every occupancy gauge is present and at its idle value; return that snapshot or raise."""
     deadline = time.monotonic() + timeout_s
     while True:
         now = occupancy(client.metrics())
-        if all(now.get(k) == v for k, v in idle.items()) and now.get("serving_active_requests", 0.0) == 0.0:
+        if now == IDLE:
             return now
         if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout_s} s: {now} (idle: {idle})")
+            busy = {k: now.get(k) for k in IDLE if now.get(k) != 0.0}
+            raise AssertionError(f"not idle after {timeout_s} s; non-idle gauges: {busy}")
         time.sleep(0.1)
 
 
 def settle(client, timeout_s: float = 20.0) -> dict[str, float]:
-    """Wait until no request is open anywhere, then return the idle occupancy snapshot."""
-    wait_idle(client, dict.fromkeys(OCCUPANCY_EXACT, 0.0), timeout_s)
-    time.sleep(0.3)  # one more metrics refresh, so KV occupancy reflects the last release
-    return occupancy(client.metrics())
+    """Wait until nothing is open, then one more metrics refresh (so cumulative counters are current)."""
+    wait_idle(client, timeout_s)
+    time.sleep(0.3)
+    return wait_idle(client, timeout_s)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import MAX_MODEL_LEN
+
 from dhisparse_client import GenerationError, GenerationOptions
 
 GOOD = {"text_input": "To be", "max_tokens": 2, "stream": True}

@@ -33,6 +33,7 @@ def _concurrently(function, count: int) -> list:
 
 def test_ensemble_streaming_matches_offline_with_16_concurrent_clients(served, expected):
     options = GenerationOptions(max_tokens=MAX_TOKENS)
+    before = served.client().metrics()
 
     def run(i: int) -> tuple[int, bytes]:
         chunks = list(served.client("ensemble").stream(PROMPTS[i], options))
@@ -43,6 +44,11 @@ def test_ensemble_streaming_matches_offline_with_16_concurrent_clients(served, e
         assert streamed == text
         assert n_chunks > 1  # really streamed, not one final blob
     assert any(tokens for _, tokens, _ in expected)
+    after = served.client().metrics()
+    # The pool is small: residency really mattered (reclaims or admission waits) and rows came from every tier.
+    pressure = ("kv_reclaim_events", "kv_admissions_waited")
+    assert sum(after[k] - before.get(k, 0.0) for k in pressure) > 0, {k: after[k] for k in pressure}
+    assert after["kv_rows_host"] > before.get("kv_rows_host", 0.0)
 
 
 def test_ensemble_http_non_streaming_matches_offline(served, expected):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tiny_tokenizer import build_tokenizer
 
 from dhisparse.errors import InvalidRequestError
 from dhisparse.serving.tokenization import TokenBytes, encode_prompt, split_word_list, word_list
-from tiny_tokenizer import build_tokenizer
 
 TEXTS = ["To be, or not to be", "naïve café — 日本語 🙂!", "a\nb\tc  d", "🙂🙂🙂"]
 

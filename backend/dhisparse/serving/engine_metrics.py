@@ -2,9 +2,10 @@
 
 Every number in `EngineLoop.stats()` becomes a gauge `dhisparse_<stat>{model, version}` (cumulative
 counters keep their running total, so `rate()` works on them as on Prometheus counters). A few derived
-gauges are added, such as rows resolved per resolver step. Metric families are created lazily, the
-first time a statistic appears, because the set of statistics grows with the engine's features
-(residency, speculation).
+gauges are added over each metrics interval: the share of resolved rows found at each resolver step
+(direct / hot cache / host), rows per resolver call, draft acceptance and tokens per verification step.
+Metric families are created lazily, the first time a statistic appears, because the set of statistics
+grows with the engine's features (residency, speculation).
 
 Only one thread may touch metrics: tritonserver 2.51 crashed in a probe when several threads updated
 custom metrics at once. `LLMService` calls `update` from its single supervisor thread.
@@ -18,30 +19,53 @@ from typing import Any
 
 PREFIX = "dhisparse_"
 
-# Descriptions of the statistics users look at most; others get a generic one.
+# Descriptions of the statistics users look at most (names as in `LLMEngine.stats` and docs/kv.md);
+# others get a generic one.
 DESCRIPTIONS = {
-    "requests_waiting": "Requests queued for admission (waiting for KV pool room or a batch slot)",
+    "requests_waiting": "Requests queued in the engine for admission (KV pool room or a batch slot)",
     "requests_running": "Requests admitted and decoding",
+    "kv_requests_waiting": "Requests the KV manager refused for now and will admit when memory frees up",
+    "kv_requests_running": "Requests holding KV memory",
+    "kv_requests_releasing": "Released requests whose memory is not yet free (copies or readers in flight)",
     "generated_tokens": "Tokens generated since start (cumulative)",
     "prefill_tokens": "Prompt tokens prefilled since start (cumulative)",
     "requests_aborted": "Requests cancelled or aborted since start (cumulative)",
+    "requests_finished": "Requests finished since start (cumulative)",
     "admissions_waited": "Requests that had to wait for admission at least once (cumulative)",
-    "resolver_steps": "Resolver steps run since start (cumulative)",
-    "resolved_rows": "KV rows resolved by the resolver since start (cumulative)",
-    "host_fetched_rows": "KV rows fetched from host memory since start (cumulative)",
-    "host_fetched_bytes": "Bytes fetched from host memory since start (cumulative)",
-    "optional_pages_resident": "Optional (reclaimable) KV pages resident on the device",
+    "kv_resolver_calls": "Resolver calls since start: one per step, KV source and positions tensor (cumulative)",
+    "kv_resolved_rows": "Selected KV rows resolved since start (cumulative)",
+    "kv_rows_direct": "Rows resolved at resolver step 1: tail or resident optional page (cumulative)",
+    "kv_rows_hot": "Rows resolved at resolver step 2: hot-cache hit (cumulative)",
+    "kv_rows_host": "Rows resolved at resolver step 3: copied from host memory (cumulative)",
+    "kv_host_fetched_rows": "KV rows fetched from host memory since start (cumulative)",
+    "kv_host_fetched_bytes": "Bytes fetched from host memory since start (cumulative)",
+    "kv_optional_pages_resident": "Optional (reclaimable) prompt KV pages resident on the device",
+    "kv_required_bytes": "Device KV bytes held as required memory (never lent)",
+    "kv_optional_bytes": "Device KV bytes held by optional pages",
+    "kv_pool_bytes": "Device KV pool budget",
+    "kv_host_pages_used": "Host KV pages owned by requests",
+    "kv_reclaim_events": "Requests whose optional pages were reclaimed (cumulative)",
     "draft_tokens_proposed": "Draft tokens proposed by the speculative drafter (cumulative)",
     "draft_tokens_accepted": "Draft tokens accepted by verification (cumulative)",
+    "draft_acceptance_rate": "Accepted / proposed draft tokens since start",
+    "tokens_per_verify_step": "Tokens emitted per request per verification step since start",
     "serving_active_requests": "Requests with an open response stream in the dhisparse model",
     "serving_cancelled_requests": "Requests cancelled by their client (cumulative)",
-    "resolved_rows_per_resolver_step": "Rows resolved per resolver step, over the last metrics interval",
-    "draft_acceptance_rate": "Accepted / proposed draft tokens, over the last metrics interval",
+    "kv_rows_direct_share": "Share of resolved rows found at resolver step 1 (direct), last metrics interval",
+    "kv_rows_hot_share": "Share of resolved rows found at resolver step 2 (hot cache), last metrics interval",
+    "kv_rows_host_share": "Share of resolved rows fetched from host (step 3), last metrics interval",
+    "resolved_rows_per_resolver_call": "Rows resolved per resolver call, last metrics interval",
+    "draft_acceptance_rate_interval": "Accepted / proposed draft tokens, last metrics interval",
+    "tokens_per_verify_step_interval": "Tokens per request per verification step, last metrics interval",
 }
-# Derived gauge -> (numerator stat, denominator stat), computed over the last interval's increments.
+# Derived gauge -> (numerator stats, denominator stats), over the last interval's increments (sums of each).
 RATIOS = {
-    "resolved_rows_per_resolver_step": ("resolved_rows", "resolver_steps"),
-    "draft_acceptance_rate": ("draft_tokens_accepted", "draft_tokens_proposed"),
+    "kv_rows_direct_share": (("kv_rows_direct",), ("kv_resolved_rows",)),
+    "kv_rows_hot_share": (("kv_rows_hot",), ("kv_resolved_rows",)),
+    "kv_rows_host_share": (("kv_rows_host",), ("kv_resolved_rows",)),
+    "resolved_rows_per_resolver_call": (("kv_resolved_rows",), ("kv_resolver_calls",)),
+    "draft_acceptance_rate_interval": (("draft_tokens_accepted",), ("draft_tokens_proposed",)),
+    "tokens_per_verify_step_interval": (("draft_tokens_accepted", "verify_rows"), ("verify_rows",)),
 }
 
 
@@ -54,10 +78,10 @@ def interval_ratios(previous: Mapping[str, float], current: Mapping[str, float])
     """Derived ratios over the increments between two stats snapshots (absent when nothing happened)."""
     out = {}
     for name, (numerator, denominator) in RATIOS.items():
-        if numerator in current and denominator in current:
-            d_den = current[denominator] - previous.get(denominator, 0.0)
+        if all(k in current for k in (*numerator, *denominator)):
+            d_den = sum(current[k] - previous.get(k, 0.0) for k in denominator)
             if d_den > 0:
-                out[name] = (current[numerator] - previous.get(numerator, 0.0)) / d_den
+                out[name] = sum(current[k] - previous.get(k, 0.0) for k in numerator) / d_den
     return out
 
 
