@@ -108,6 +108,8 @@ class LLMEngine:
             return False
         if req.status is Status.WAITING:
             self.waiting.remove(req)
+            if req.counters.get("waited"):
+                self.kv.release(req.request_id)  # the manager queued it when try_admit said no
         self._finish(req, "abort")
         self.counters["requests_aborted"] += 1
         return True

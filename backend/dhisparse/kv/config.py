@@ -131,6 +131,8 @@ class KVConfig:
         reserve_bytes: admission reserve kept free at every change.
         refill_pages_per_step: the most optional pages (of any source) refilled from host per ``poll()``.
         max_query_len: the most new tokens per request per step: 1, or ``gamma + 1`` when speculating.
+        extra_required_bytes: further device bytes every request holds while admitted and never lends — the
+            speculative state (draft ring buffer and verification staging) when a drafter is configured.
     """
 
     policy: str = "adaptive"
@@ -140,6 +142,7 @@ class KVConfig:
     reserve_bytes: int = 0
     refill_pages_per_step: int = 8
     max_query_len: int = 1
+    extra_required_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in KV_POLICIES:
@@ -154,6 +157,8 @@ class KVConfig:
             raise ConfigError(
                 f"reserve_bytes ({self.reserve_bytes}) must be smaller than pool_bytes ({self.pool_bytes})"
             )
+        if self.extra_required_bytes < 0:
+            raise ConfigError(f"extra_required_bytes must be >= 0, got {self.extra_required_bytes}")
         if self.max_query_len < 1:
             raise ConfigError(f"max_query_len must be >= 1, got {self.max_query_len}")
 

@@ -27,6 +27,7 @@ class Footprint:
         metadata_bytes: page tables (int64 per page and source) and LRU state (position, stamp and
             location, int64 each, per hot slot and source).
         index_key_bytes: indexer keys of every indexer layer for ``capacity_rows`` positions.
+        speculative_bytes: the request's speculative state (``KVConfig.extra_required_bytes``).
     """
 
     capacity_rows: int
@@ -37,10 +38,11 @@ class Footprint:
     pages_bytes: int
     metadata_bytes: int
     index_key_bytes: int
+    speculative_bytes: int = 0
 
     @property
     def required_bytes(self) -> int:
-        return self.pages_bytes + self.metadata_bytes + self.index_key_bytes
+        return self.pages_bytes + self.metadata_bytes + self.index_key_bytes + self.speculative_bytes
 
     @property
     def device_pages(self) -> int:
@@ -80,4 +82,5 @@ def request_footprint(layout: KVLayout, config: KVConfig, prompt_len: int, max_n
         pages_bytes=sources * (tail_pages + hot_pages) * page_bytes,
         metadata_bytes=sources * num_pages * INDEX_BYTES + lru_bytes,
         index_key_bytes=len(layout.indexer_layers) * capacity * layout.index_key_bytes,
+        speculative_bytes=config.extra_required_bytes,
     )
