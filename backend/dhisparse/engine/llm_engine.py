@@ -117,6 +117,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def poll_idle(self) -> None:
+        """Progress the KV manager while no request runs (finishes deferred frees of released requests)."""
+        self.kv.poll()
+
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)
 

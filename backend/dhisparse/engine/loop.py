@@ -116,6 +116,7 @@ class EngineLoop:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished():
+                self.engine.poll_idle()
                 with self._lock:
                     self._stats = self.engine.stats()
                 self._wake.wait(self._idle_wait_s)
