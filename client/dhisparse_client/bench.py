@@ -1,0 +1,150 @@
+"""`dhisparse-bench`: throughput, TTFT and inter-token latency per KV policy, measured by the real perf_analyzer.
+
+For each KV policy (same engine, same pool budget) it starts `dhisparse-serve`, warms it up, then runs
+perf_analyzer 2.51 with `--streaming` over gRPC against the ensemble at each concurrency level (long
+Shakespeare prompts cut to `--prompt-tokens`, `max_tokens` fixed), stops the server, and finally prints
+a table with ratios against the baseline policy measured in the same run, and writes `bench.csv` and
+`bench.png` (plus every perf_analyzer report and server log) to `--output-dir`. argparse lives only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from dhisparse_client.bench_report import BenchRow, add_ratios, format_table, plot, residency_deltas, write_csv
+from dhisparse_client.client import DHiSparseClient, GenerationError, GenerationOptions
+from dhisparse_client.perf import PerfAnalyzerError, find_perf_analyzer, run_level, write_input_data
+from dhisparse_client.prompts import cut_prompts, engine_limits, shakespeare_text
+from dhisparse_client.serve_process import ServeError, ServeProcess
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dhisparse-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--engine", required=True, type=Path, help="engine directory built by dhisparse-build")
+    p.add_argument("--policies", default="adaptive,hisparse,resident",
+                   help="KV policies to compare, comma-separated (resident, hisparse, adaptive, dense)")
+    p.add_argument("--baseline", default="hisparse", help="policy the ratios are computed against")
+    p.add_argument("--pool-bytes", type=int, default=None, help="device KV pool budget for every policy")
+    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 8], help="levels, e.g. 1,4,8")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per level (default: max(8, 2 x concurrency))")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length (capped to fit the engine)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    p.add_argument("--prompts", type=int, default=16, help="distinct prompts perf_analyzer cycles through")
+    p.add_argument("--prompt-file", type=Path, default=None, help="text to cut prompts from (default: Hamlet)")
+    p.add_argument("--model", default="ensemble", help="model perf_analyzer drives (ensemble or dhisparse_bls)")
+    p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="runtime option for every server (e.g. speculative=dflash2); repeatable")
+    p.add_argument("--output-dir", type=Path, default=Path("build/bench"), help="where reports and plots go")
+    p.add_argument("--perf-analyzer", type=Path, default=None, help="perf_analyzer 2.51 binary")
+    p.add_argument("--level-timeout", type=float, default=600.0, help="seconds allowed per perf_analyzer run")
+    return p.parse_args(argv)
+
+
+def _engine_options(args: argparse.Namespace, policy: str) -> dict[str, object]:
+    options: dict[str, object] = {}
+    for item in args.engine_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-option expects KEY=VALUE, got {item!r}")
+        options[key] = value
+    options["kv_policy"] = policy
+    if args.pool_bytes is not None:
+        options["pool_bytes"] = args.pool_bytes
+    return options
+
+
+def _log(message: str) -> None:
+    print(f"[dhisparse-bench] {message}", file=sys.stderr, flush=True)
+
+
+def bench_policy(args: argparse.Namespace, policy: str, binary: Path, input_data: Path, warm_prompt: str
+                 ) -> list[BenchRow]:
+    """Start one server for `policy`, measure every concurrency level, stop it. Failed levels are skipped."""
+    out = args.output_dir / policy
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[BenchRow] = []
+    server = ServeProcess(args.engine, _engine_options(args, policy), log_path=out / "server.log")
+    started = time.monotonic()
+    try:
+        endpoints = server.start()
+        _log(f"{policy}: server ready in {time.monotonic() - started:.1f} s (grpc {endpoints.grpc_url})")
+        client = DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url, model=args.model)
+        list(client.stream(warm_prompt, GenerationOptions(max_tokens=4)))  # first-request costs out of the way
+        for concurrency in args.concurrency:
+            count = args.requests or max(8, 2 * concurrency)
+            before = client.metrics()
+            level_start = time.monotonic()
+            result = run_level(binary, endpoints.grpc_url, input_data, concurrency, count, out, args.model,
+                               args.level_timeout)
+            time.sleep(0.6)  # metrics are refreshed every 250 ms by the server
+            rows.append(BenchRow(policy, result, **residency_deltas(before, client.metrics())))
+            _log(f"{policy}: concurrency {concurrency}: {result.token_throughput:.1f} tok/s, "
+                 f"TTFT {result.ttft_ms:.0f} ms, ITL {result.itl_ms:.1f} ms ({time.monotonic() - level_start:.0f} s)")
+    except (ServeError, PerfAnalyzerError, GenerationError) as error:
+        _log(f"{policy}: stopped early: {error}")
+    finally:
+        server.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    baseline = args.baseline if args.baseline in policies else policies[0]
+    try:
+        binary = find_perf_analyzer(args.perf_analyzer)
+        max_len, max_new = engine_limits(args.engine)
+        if not 1 <= args.max_tokens <= max_new:
+            raise ValueError(f"--max-tokens must be in 1..{max_new} for this engine")
+        prompt_tokens = min(args.prompt_tokens, max_len - args.max_tokens - 2)  # room for BOS
+        if prompt_tokens < 1:
+            raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt (max_model_len {max_len})")
+        text = args.prompt_file.read_text() if args.prompt_file else shakespeare_text()
+        prompts = cut_prompts(text, args.engine / "tokenizer.json", args.prompts, prompt_tokens)
+    except (PerfAnalyzerError, ValueError, OSError) as error:
+        print(f"dhisparse-bench: error: {error}", file=sys.stderr)
+        return 2
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    input_data = write_input_data(args.output_dir / "input_data.json", prompts, args.max_tokens)
+    setup = {"engine": str(args.engine), "policies": policies, "baseline": baseline, "pool_bytes": args.pool_bytes,
+             "concurrency": args.concurrency, "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens,
+             "model": args.model, "engine_options": args.engine_option, "perf_analyzer": str(binary)}
+    (args.output_dir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
+    _log(f"{len(policies)} policies x {len(args.concurrency)} levels, prompts of {prompt_tokens} tokens, "
+         f"max_tokens {args.max_tokens}, output in {args.output_dir}")
+    rows: list[BenchRow] = []
+    for policy in policies:
+        rows += bench_policy(args, policy, binary, input_data, prompts[0])
+    if not rows:
+        print("dhisparse-bench: error: nothing was measured (see the logs above)", file=sys.stderr)
+        return 1
+    rows = add_ratios(rows, baseline)
+    print(format_table(rows, baseline))
+    csv_path = write_csv(rows, args.output_dir / "bench.csv")
+    pool = f"pool {args.pool_bytes / 2**20:.2f} MiB" if args.pool_bytes else "engine's pool"
+    png_path = plot(rows, args.output_dir / "bench.png",
+                    f"{args.engine.name}: {prompt_tokens}-token prompts, {args.max_tokens} new tokens, {pool}")
+    print(f"wrote {csv_path} and {png_path}")
+    measured = {(row.policy, row.result.concurrency) for row in rows}
+    missing = [(p, c) for p in policies for c in args.concurrency if (p, c) not in measured]
+    if missing or any(math.isnan(row.result.ttft_ms) for row in rows):
+        print(f"dhisparse-bench: not measured: {missing}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""`dhisparse-bench` at tiny scale: real dhisparse-serve, real perf_analyzer 2.51, one policy, one level."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import pytest
+
+from dhisparse_client.perf import PerfAnalyzerError, find_perf_analyzer
+
+
+def test_bench_measures_one_policy_with_the_real_perf_analyzer(tiny_engine, tmp_path):
+    try:
+        find_perf_analyzer()
+    except PerfAnalyzerError as error:
+        pytest.skip(str(error))
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "dhisparse_client.bench", "--engine", str(tiny_engine), "--policies", "hisparse",
+           "--concurrency", "2", "--requests", "4", "--prompt-tokens", "48", "--max-tokens", "6",
+           "--prompts", "4", "--pool-bytes", str(256 * 1024), "--output-dir", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "hisparse" in done.stdout and "tok/s" in done.stdout
+    rows = list(csv.DictReader(open(out / "bench.csv")))
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["policy"] == "hisparse" and row["concurrency"] == "2" and row["requests"] == "4"
+    assert 1 <= float(row["tokens_per_request"]) <= 6
+    assert float(row["token_throughput"]) > 0 and float(row["ttft_ms"]) > 0
+    assert float(row["host_share"]) > 0  # hisparse keeps the history on host: some rows were fetched
+    assert float(row["token_throughput_vs_baseline"]) == 1.0  # the baseline is the only policy measured
+    assert (out / "bench.png").stat().st_size > 10_000
+    assert (out / "hisparse" / "c2.csv").exists() and (out / "hisparse" / "c2.json").exists()
