@@ -22,6 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 KV_POLICY = os.environ.get("DHISPARSE_SERVING_KV_POLICY", "adaptive")
 POOL_BYTES = 160 * 1024
 MAX_MODEL_LEN = 256
+PROMPT = "To be, or not"  # a prompt whose greedy continuation runs LONG tokens without EOS
+LONG = 200
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,14 @@ def tokenizer(tiny_engine: Path):
     from dhisparse.serving.tokenization import load_tokenizer
 
     return load_tokenizer(tiny_engine)
+
+
+@pytest.fixture(scope="session")
+def prompt_runs_long(offline_llm, tokenizer) -> list[int]:
+    """Precondition of the cancellation tests: greedy generation from PROMPT does not stop early on EOS."""
+    from dhisparse import SamplingParams
+
+    ids = tokenizer.encode(PROMPT).ids
+    out = offline_llm.generate([ids], SamplingParams(max_tokens=LONG))[0]
+    assert out.finish_reason == "length", "pick another PROMPT: this one hits EOS early"
+    return ids

@@ -5,22 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import LONG, PROMPT
 from idle import IDLE, occupancy, settle, wait_idle
 
-from dhisparse import SamplingParams
 from dhisparse_client import GenerationOptions
-
-PROMPT = "To be, or not"
-LONG = 200
-
-
-@pytest.fixture(scope="module")
-def prompt_runs_long(offline_llm, tokenizer):
-    """Precondition: greedy generation from PROMPT does not stop early on EOS."""
-    ids = tokenizer.encode(PROMPT).ids
-    out = offline_llm.generate([ids], SamplingParams(max_tokens=LONG))[0]
-    assert out.finish_reason == "length", "pick another PROMPT: this one hits EOS early"
-    return ids
 
 
 def _wait_for(predicate, timeout_s: float = 20.0):
