@@ -139,9 +139,9 @@ class EngineCore:
         accepted = accept(batch, query_lens)
         remaining = torch.tensor([r.max_tokens - r.generated for r in batch], dtype=torch.int64)
         accepted = torch.minimum(accepted, remaining)
-        self.kv.end_step({rid: int(a) for rid, a in zip(ids, accepted.tolist())})
+        self.kv.end_step({rid: int(a) for rid, a in zip(ids, accepted.tolist(), strict=True)})
         out.batch, out.query_lens, out.accepted = ids, query_lens.tolist(), accepted.tolist()
-        for req, a in zip(batch, accepted.tolist()):
+        for req, a in zip(batch, accepted.tolist(), strict=True):
             req.generated += a
             if req.generated >= req.max_tokens:
                 self._finish(req, out)

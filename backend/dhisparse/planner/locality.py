@@ -128,7 +128,6 @@ class ReplaySelector:
         cache: dict[int, torch.Tensor] = {}
         for layer in layers:
             rows = [s[layer] for s in steps]
-            key = id(rows[0])
             k = max(x.shape[-1] for x in rows)
             pos = torch.full((len(rows), max_query_len, k), -1, dtype=torch.int64)
             for b, x in enumerate(rows):
@@ -138,5 +137,4 @@ class ReplaySelector:
                         None)
             out[layer] = same if same is not None else pos
             cache[layer] = out[layer]
-            del key
         return out

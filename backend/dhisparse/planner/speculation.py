@@ -71,8 +71,8 @@ class SpeculationModel:
         if self.min_confidence <= 0.0:
             return full
         # cumulative confidence alpha^i >= threshold  <=>  i <= log(threshold) / log(alpha)
-        drafts = torch.where(alpha > 0, torch.floor(math.log(self.min_confidence) / torch.log(alpha.clamp(max=1 - 1e-12))),
-                             torch.zeros_like(alpha))
+        log_alpha = torch.log(alpha.clamp(max=1 - 1e-12))
+        drafts = torch.where(alpha > 0, torch.floor(math.log(self.min_confidence) / log_alpha), torch.zeros_like(alpha))
         return 1 + drafts.clamp(min=0, max=self.gamma).to(torch.int64)
 
     def sample_accepted(self, query_lens: torch.Tensor, context_tokens: torch.Tensor,
