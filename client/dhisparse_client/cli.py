@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from dhisparse_client.client import DHiSparseClient, GenerationError, GenerationOptions
+from dhisparse_client.stats import summarize
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -18,6 +19,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--metrics-url", default=None, help="metrics URL (default: port 8002 on the gRPC host)")
     p.add_argument("--model", default="ensemble", help="ensemble (default) or dhisparse_bls")
     source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--stats-only", action="store_true",
+                        help="send nothing: print the server's residency and speculation statistics")
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -27,12 +30,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop word (repeatable)")
     p.add_argument("--no-stream", action="store_true", help="one plain HTTP request instead of gRPC streaming")
-    p.add_argument("--stats", action="store_true", help="print the server's dhisparse_* metrics afterwards")
+    p.add_argument("--stats", action="store_true",
+                   help="print the server's residency and speculation statistics afterwards")
+    p.add_argument("--all-stats", action="store_true", help="print every dhisparse_* metric afterwards")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.stats_only:
+        client = DHiSparseClient(args.url, args.http_url, args.metrics_url, model=args.model)
+        print(summarize(client.metrics()))
+        return 0
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     options = GenerationOptions(args.max_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                                 tuple(args.stop))
@@ -56,9 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     ttft = f", first chunk after {first - start:.3f} s" if first else ""
     print(f"\n[{chunks} chunk(s) in {total:.3f} s{ttft}]", file=sys.stderr)
-    if args.stats:
-        for name, value in sorted(client.metrics().items()):
-            print(f"{name} = {value:g}", file=sys.stderr)
+    if args.stats or args.all_stats:
+        time.sleep(0.6)  # the server refreshes its metrics every 250 ms by default
+        metrics = client.metrics()
+        if args.all_stats:
+            for name, value in sorted(metrics.items()):
+                print(f"{name} = {value:g}", file=sys.stderr)
+        if args.stats:
+            print(summarize(metrics), file=sys.stderr)
     return 0
 
 

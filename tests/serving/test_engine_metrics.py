@@ -27,3 +27,18 @@ def test_interval_ratios_use_the_increments_of_the_real_stat_names():
 def test_metric_names_are_prometheus_safe():
     assert metric_name("kv_rows_host") == "dhisparse_kv_rows_host"
     assert metric_name("a.b-c") == "dhisparse_a_b_c"
+
+
+def test_client_summary_names_every_tier_and_the_drafts():
+    from dhisparse_client.stats import summarize
+
+    metrics = {"kv_resolved_rows": 200.0, "kv_rows_direct": 150.0, "kv_rows_hot": 40.0, "kv_rows_host": 10.0,
+               "kv_host_fetched_rows": 10.0, "kv_host_fetched_bytes": 2**20, "kv_optional_pages_resident": 3.0,
+               "kv_reclaim_events": 1.0, "draft_tokens_proposed": 8.0, "draft_tokens_accepted": 6.0,
+               "draft_acceptance_rate": 0.75, "tokens_per_verify_step": 4.0, "verify_rows": 2.0,
+               "generated_tokens": 8.0}
+    text = summarize(metrics)
+    assert "step 1 direct: 75.0%" in text and "step 2 hot cache: 20.0%" in text and "host fetch: 5.0%" in text
+    assert "host-fetched rows: 10 (1.00 MiB)" in text and "3 resident now" in text
+    assert "acceptance 0.750" in text and "tokens per verification step: 4.00" in text
+    assert "speculation" not in summarize({k: v for k, v in metrics.items() if not k.startswith(("draft", "verify"))})
