@@ -1,0 +1,110 @@
+"""``dhisparse-plan``: simulate a workload on one decode GPU over a grid of configurations and recommend one.
+
+Example (GLM-class, 32K in / 8K out, H200)::
+
+    dhisparse-plan --model glm5-indexshare-nvfp4 --hardware h200 --input-tokens 32768 --output-tokens 8192 \\
+        --configs resident hisparse adaptive adaptive+dflash2 --concurrency 8 16 32 \\
+        --overlap 0.6 0.8 0.95 --tpot-bound-ms 50 --out plan_out
+
+Writes ``plan.csv``, ``plan.md`` (table + recommendation) and PNG plots into ``--out`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from dhisparse.planner.report import PlanGrid, markdown_table, plot_grid, plot_memory, recommend, run_grid, write_csv
+from dhisparse.planner.scale import ScaleSpec
+from dhisparse.planner.specs import HARDWARE_PRESETS, MODEL_PRESETS
+from dhisparse.planner.speculation import SpeculationModel
+from dhisparse.planner.workload import ServingSpec
+
+GIB = 2.0**30
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dhisparse-plan", description=__doc__.split("\n")[0])
+    p.add_argument("--hardware", choices=sorted(HARDWARE_PRESETS), default="h200")
+    p.add_argument("--model", choices=sorted(MODEL_PRESETS), default="glm5-indexshare-nvfp4")
+    p.add_argument("--hbm-gib", type=float, default=0.0, help="override the GPU's memory (GiB)")
+    p.add_argument("--host-link-gbps", type=float, default=0.0, help="override effective host link (GB/s)")
+    p.add_argument("--input-tokens", type=int, default=32768)
+    p.add_argument("--output-tokens", type=int, default=8192)
+    p.add_argument("--configs", nargs="+", default=["resident", "hisparse", "adaptive"],
+                   help="policy[+drafter]: resident|hisparse|adaptive, drafter dflash2|dspark")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--requests-per-client", type=int, default=1)
+    p.add_argument("--overlap", type=float, nargs="+", default=[0.6, 0.8, 0.95],
+                   help="locality overlaps (report a range, never one tuned value)")
+    p.add_argument("--hot-rows", type=int, default=0, help="B per request and layer (0: index_topk x (gamma+1))")
+    p.add_argument("--page-rows", type=int, default=64)
+    p.add_argument("--reserve-gib", type=float, default=0.0)
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
+    p.add_argument("--accept-prob", type=float, default=0.75, help="per-token acceptance at 4K context")
+    p.add_argument("--busy-batch", type=int, default=32, help="DSpark shortens verification from this batch")
+    p.add_argument("--token-scale", type=int, default=64, help="g of the scale model (see docs/planner.md)")
+    p.add_argument("--index-groups", type=int, default=1, help="index groups simulated")
+    p.add_argument("--tpot-bound-ms", type=float, default=50.0, help="latency bound for the recommendation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("plan_out"))
+    p.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        hw = HARDWARE_PRESETS[args.hardware]
+        if args.hbm_gib > 0:
+            hw = dataclasses.replace(hw, hbm_bytes=args.hbm_gib * GIB)
+        if args.host_link_gbps > 0:
+            hw = dataclasses.replace(hw, host_link_bytes_per_s=args.host_link_gbps * 1e9)
+        model = MODEL_PRESETS[args.model]
+        grid = PlanGrid(
+            configs=tuple(args.configs), concurrencies=tuple(args.concurrency), overlaps=tuple(args.overlap),
+            input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+            requests_per_client=args.requests_per_client,
+            base_serving=ServingSpec(hot_rows=args.hot_rows, page_rows=args.page_rows,
+                                     reserve_bytes=args.reserve_gib * GIB),
+            speculation=SpeculationModel(gamma=args.gamma, accept_prob=args.accept_prob, busy_batch=args.busy_batch),
+            scale=ScaleSpec(token_scale=args.token_scale, index_groups=args.index_groups), seed=args.seed)
+    except ValueError as e:
+        print(f"dhisparse-plan: {e}", file=sys.stderr)
+        return 2
+    print(f"{model.name} on {hw.name}: {args.input_tokens} in / {args.output_tokens} out, "
+          f"KV pool {model.kv_pool_bytes(hw) / GIB:.1f} GiB per GPU, g={args.token_scale}", flush=True)
+    start = time.perf_counter()
+    try:
+        rows, results = run_grid(hw, model, grid, log=True)
+    except (ValueError, RuntimeError) as e:
+        print(f"dhisparse-plan: {e}", file=sys.stderr)
+        return 2
+    best = recommend(rows, args.tpot_bound_ms / 1e3)
+    if best is None:
+        rec = f"No configuration meets mean TPOT <= {args.tpot_bound_ms:g} ms."
+    else:
+        rec = (f"Recommended under mean TPOT <= {args.tpot_bound_ms:g} ms (worst overlap of {list(args.overlap)}): "
+               f"{best['label']} at C{int(float(best['concurrency']))}: "
+               f"{float(best['output_tok_per_s_per_gpu']):.1f} output tok/s per GPU, "
+               f"mean TPOT {1e3 * float(best['mean_tpot_s']):.1f} ms.")
+    table = markdown_table(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / "plan.csv")
+    (args.out / "plan.md").write_text(f"# dhisparse-plan\n\n{model.name} on {hw.name}\n\n{table}\n\n{rec}\n")
+    if not args.no_plots:
+        plot_grid(rows, args.out)
+        top_c, mid = max(args.concurrency), args.overlap[len(args.overlap) // 2]
+        plot_memory({f"{lab} C{top_c} overlap {mid:g}": results[(lab, top_c, mid)] for lab in args.configs},
+                    args.out / "memory_split.png")
+    print(table)
+    print(rec)
+    print(f"wrote {args.out}/ in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
