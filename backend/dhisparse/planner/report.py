@@ -63,11 +63,16 @@ class PlanGrid:
             parse_config(label, self.base_serving, self.speculation)
 
 
-def parse_config(label: str, base: ServingSpec, speculation: SpeculationModel) -> ServingSpec:
-    """``policy[+drafter]`` -> a :class:`ServingSpec` (ValueError on an unknown policy or drafter)."""
+def parse_config(label: str, base: ServingSpec, speculation: SpeculationModel, index_topk: int = 0) -> ServingSpec:
+    """``policy[+drafter]`` -> a :class:`ServingSpec` (ValueError on an unknown policy or drafter). With a
+    drafter, ``B`` grows to ``index_topk x (gamma + 1)`` if smaller: every verification query may select
+    ``index_topk`` distinct rows, and the hot cache must hold them all."""
     policy, _, drafter = label.partition("+")
     spec = dataclasses.replace(speculation, drafter=drafter) if drafter else None
-    return dataclasses.replace(base, policy=policy, speculation=spec)
+    hot = base.hot_rows
+    if spec is not None and hot:
+        hot = max(hot, index_topk * spec.max_query_len)
+    return dataclasses.replace(base, policy=policy, speculation=spec, hot_rows=hot)
 
 
 def uses_locality(serving: ServingSpec) -> bool:
@@ -103,7 +108,7 @@ def run_grid(hw: HardwareSpec, model: ModelSpec, grid: PlanGrid,
     rows: list[dict[str, float | str]] = []
     results: dict[tuple[str, int, float], SimResult] = {}
     for label in grid.configs:
-        base = parse_config(label, grid.base_serving, grid.speculation)
+        base = parse_config(label, grid.base_serving, grid.speculation, model.index_topk)
         for c in grid.concurrencies:
             workload = WorkloadSpec(grid.input_tokens, grid.output_tokens, concurrency=c,
                                     num_requests=c * grid.requests_per_client, seed=grid.seed)

@@ -1,0 +1,149 @@
+"""The paper's experiments (see ``/work/shared/seeds`` and DESIGN.md "Baselines"), run with the planner.
+
+Shared setup: one H200 (:data:`~dhisparse.planner.specs.H200`), GLM-5.x IndexShare NVFP4 (the paper's GLM-5.3
+is not public), page 64 rows, B = 4096 rows without a drafter (HiSparse's published ``device_buffer_size``) and
+``index_topk x (gamma + 1)`` = 10,240 with one (gamma = 4), drafter DFlash2 (acceptance 0.75 at 4K, -0.03 per
+context doubling), one closed-loop request per client, token scale g = 64, locality overlap 0.6 / 0.8 / 0.95.
+
+Experiments:
+
+- :func:`glm_32k` — 32K in / 8K out at C8 ... C128, the five configurations;
+- :func:`glm_100k` — 100K in / 8K out at C128;
+- :func:`tpot_bounds` — throughput and concurrency sustained under mean-TPOT bounds (from :func:`glm_32k`);
+- :func:`load_step` — closed-loop clients 4 -> 64 -> 4: host-fetched share per phase, memory split over time;
+- :func:`deepseek_500k` — DeepSeek-V3.2, 500K context at C512 with a DSpark drafter: what fits, and the largest
+  concurrency that does, simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dhisparse.kv import KVConfig
+from dhisparse.kv.footprint import request_footprint
+from dhisparse.planner.locality import LocalityModel
+from dhisparse.planner.report import PlanGrid, parse_config, recommend, run_grid, run_one
+from dhisparse.planner.scale import ScaleSpec, build_scaled_kv
+from dhisparse.planner.simulator import SimResult, simulate
+from dhisparse.planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, ModelSpec
+from dhisparse.planner.speculation import SpeculationModel
+from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+
+CONFIGS = ("resident", "resident+dflash2", "hisparse", "adaptive", "adaptive+dflash2")
+OVERLAPS = (0.6, 0.8, 0.95)
+BASE = ServingSpec(hot_rows=4096)
+SPEC = SpeculationModel(drafter="dflash2", gamma=4)
+SCALE = ScaleSpec(token_scale=64)
+GIB = 2.0**30
+Row = dict[str, float | str]
+
+
+def glm_grid(input_tokens: int, concurrencies: tuple[int, ...], overlaps: tuple[float, ...] = OVERLAPS,
+             configs: tuple[str, ...] = CONFIGS) -> PlanGrid:
+    return PlanGrid(configs=configs, concurrencies=concurrencies, overlaps=overlaps, input_tokens=input_tokens,
+                    output_tokens=8192, base_serving=BASE, speculation=SPEC, scale=SCALE)
+
+
+def glm_32k(concurrencies: tuple[int, ...] = (8, 16, 32, 64, 128), overlaps: tuple[float, ...] = OVERLAPS,
+            log: bool = False) -> tuple[list[Row], dict[tuple[str, int, float], SimResult]]:
+    return run_grid(H200, GLM5_INDEXSHARE_NVFP4, glm_grid(32768, concurrencies, overlaps), log=log)
+
+
+def glm_100k(overlaps: tuple[float, ...] = OVERLAPS, log: bool = False) -> list[Row]:
+    return run_grid(H200, GLM5_INDEXSHARE_NVFP4, glm_grid(102400, (128,), overlaps), log=log)[0]
+
+
+def ratio_table(rows: list[Row], num: str, den: str, metric: str = "output_tok_per_s_per_gpu") -> list[Row]:
+    """``metric(num) / metric(den)`` per concurrency and overlap."""
+    index = {(r["label"], r["concurrency"], r["overlap"]): float(r[metric]) for r in rows}
+    out: list[Row] = []
+    for (label, c, overlap), value in index.items():
+        if label == num and (den, c, overlap) in index and index[(den, c, overlap)] > 0:
+            out.append({"num": num, "den": den, "metric": metric, "concurrency": c, "overlap": overlap,
+                        "ratio": value / index[(den, c, overlap)]})
+    return out
+
+
+def tpot_bounds(rows: list[Row], bounds_s: tuple[float, ...] = (0.02, 0.03, 0.05, 0.1)) -> list[Row]:
+    """Per bound and config: the best per-GPU output (and its concurrency) whose mean TPOT stays within the
+    bound at the worst overlap; ``output_tok_per_s_per_gpu = 0`` when no concurrency meets it."""
+    out: list[Row] = []
+    for bound in bounds_s:
+        for label in dict.fromkeys(str(r["label"]) for r in rows):
+            best = recommend([r for r in rows if r["label"] == label], bound)
+            out.append({"tpot_bound_ms": 1e3 * bound, "label": label,
+                        "concurrency": 0 if best is None else best["concurrency"],
+                        "output_tok_per_s_per_gpu": 0.0 if best is None else best["output_tok_per_s_per_gpu"]})
+    return out
+
+
+def load_step(overlaps: tuple[float, ...] = OVERLAPS, low: int = 4, high: int = 64, up_s: float = 40.0,
+              down_s: float = 120.0, log: bool = False) -> tuple[list[Row], dict[str, SimResult]]:
+    """Clients ``low`` until ``up_s``, ``high`` until ``down_s``, then ``low`` again (32K / 8K, no drafter).
+
+    Phases (by step time): ``low-before`` (t < up_s), ``high`` (up_s <= t < end of the last high-phase request's
+    admission + its decode), ``low-after`` (batch back at <= ``low``, after ``down_s``). The host-fetched share of a
+    phase is the batch-weighted mean of its steps' shares.
+    """
+    rows: list[Row] = []
+    results: dict[str, SimResult] = {}
+    total = 2 * low + high
+    for policy in ("hisparse", "adaptive"):
+        for overlap in overlaps:
+            serving = dataclasses.replace(BASE, policy=policy, locality=LocalityModel(overlap=overlap))
+            work = WorkloadSpec(32768, 8192, concurrency=low, num_requests=total,
+                                concurrency_schedule=((up_s, high), (down_s, low)))
+            res = simulate(H200, GLM5_INDEXSHARE_NVFP4, serving, work, SCALE)
+            results[f"{policy} overlap {overlap:g}"] = res
+            phases = {"low-before": [p for p in res.timeline if p.time_s < up_s],
+                      "high": [p for p in res.timeline if up_s <= p.time_s and p.batch > low],
+                      "low-after": [p for p in res.timeline if p.time_s >= down_s and p.batch <= low]}
+            for phase, pts in phases.items():
+                weight = sum(p.batch for p in pts)
+                rows.append({"label": policy, "overlap": overlap, "phase": phase, "steps": len(pts),
+                             "host_share": sum(p.host_share * p.batch for p in pts) / weight if weight else 0.0,
+                             "mean_optional_gib": sum(p.optional_bytes for p in pts) / max(1, len(pts)) / GIB,
+                             "reclaim_events": res.counters["reclaim_events"]})
+                if log:
+                    print(f"  load-step {policy:>8} overlap {overlap:.2f} {phase:>10}: host "
+                          f"{100 * float(rows[-1]['host_share']):5.2f}% over {len(pts)} steps", flush=True)
+    return rows, results
+
+
+def footprints(model: ModelSpec, input_tokens: int, output_tokens: int, gamma: int) -> list[Row]:
+    """Required device bytes per request under each policy (analytic, real units) and how many fit one GPU."""
+    drafter = DRAFTERS["dspark"]
+    pool = model.kv_pool_bytes(H200, drafter.weight_bytes)
+    out: list[Row] = []
+    for policy, q in (("resident", gamma + 1), ("hisparse", 1), ("adaptive", gamma + 1)):
+        hot = max(4096, model.index_topk * q)
+        probe = build_scaled_kv(model, ScaleSpec(), policy, pool, hot, 64, 0, 0, q)
+        cfg: KVConfig = probe.real_config
+        fp = request_footprint(probe.real_layout, cfg, input_tokens, output_tokens)
+        out.append({"model": model.name, "policy": policy, "query_len": q, "required_gib": fp.required_bytes / GIB,
+                    "index_key_gib": fp.index_key_bytes / GIB, "pool_gib": pool / GIB,
+                    "max_concurrency": int(pool // fp.required_bytes)})
+    return out
+
+
+def deepseek_500k(concurrency: int = 0, output_tokens: int = 2048, overlaps: tuple[float, ...] = OVERLAPS,
+                  log: bool = False) -> tuple[list[Row], list[Row]]:
+    """DeepSeek-V3.2 at 500K: the footprints (C512 does not fit any policy), then resident+dspark, hisparse and
+    adaptive+dspark simulated at ``concurrency`` (0: the largest that adaptive admits at once)."""
+    prompt = 500_000
+    fits = footprints(DSV32, prompt, output_tokens, SPEC.gamma)
+    c = concurrency or int(next(r for r in fits if r["policy"] == "adaptive")["max_concurrency"])
+    spec = dataclasses.replace(SPEC, drafter="dspark", busy_batch=32)
+    rows: list[Row] = []
+    for label in ("resident+dspark", "hisparse", "adaptive+dspark"):
+        for overlap in overlaps if not label.startswith("resident") else overlaps[:1]:
+            serving = dataclasses.replace(parse_config(label, BASE, spec, DSV32.index_topk),
+                                          locality=LocalityModel(overlap=overlap))
+            work = WorkloadSpec(prompt, output_tokens, concurrency=c, num_requests=c)
+            row, _ = run_one(H200, DSV32, serving, work, SCALE)
+            rows.append(row)
+            if log:
+                print(f"  DSV3.2 500K C{c} {label:>16} overlap {overlap:.2f}: "
+                      f"{float(row['output_tok_per_s_per_gpu']):7.2f} tok/s/GPU, running {int(float(row['max_batch']))}"
+                      f", host {100 * float(row['host_share']):.1f}% ({float(row['wall_s']):.1f} s)", flush=True)
+    return fits, rows
