@@ -94,9 +94,16 @@ def main() -> None:
 
     from dhisparse import LLM
 
-    probe = LLM(args.engine, kv_policy="resident", max_batch_size=args.concurrency)
-    resident_need = probe.engine.kv.required_bytes(args.prompt_len, args.max_tokens)
-    pool = int(args.pool_mib * (1 << 20)) or int(0.6 * resident_need * args.concurrency)
+    needs = {}
+    for policy in POLICIES:
+        for spec in (None, *DRAFTERS):
+            kw = {"speculative": spec, "num_draft_tokens": best[spec]} if spec else {}
+            probe = LLM(args.engine, kv_policy=policy, max_batch_size=args.concurrency, **kw)
+            needs[(policy, spec)] = probe.engine.kv.required_bytes(args.prompt_len, args.max_tokens)
+    resident_need = needs[("resident", None)]
+    # 60% of what resident needs for the whole load, but room for at least two requests of any configuration
+    pool = int(args.pool_mib * (1 << 20)) or max(int(0.6 * resident_need * args.concurrency),
+                                                 2 * max(needs.values()))
     print(f"\n2. throughput, pool {pool / (1 << 20):.2f} MiB (resident needs {resident_need / (1 << 20):.2f} MiB "
           f"per request), best gamma {best}, median of {args.repeats}")
     table = []

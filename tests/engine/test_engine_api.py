@@ -140,3 +140,12 @@ def test_engine_loop_serves_concurrent_streams_and_cancels(llm):
         assert loop.stats()["requests_running"] == 0 and loop.stats()["requests_aborted"] >= 1
     finally:
         loop.close()
+
+
+def test_request_that_can_never_fit_the_pool_is_refused_up_front(tiny_engine):
+    llm = LLM(tiny_engine("glm_fsfs_sparse", "float32"), kv_policy="resident", page_rows=8)
+    small = llm.engine.kv.required_bytes(20, 4)
+    llm = LLM(tiny_engine("glm_fsfs_sparse", "float32"), kv_policy="resident", page_rows=8, pool_bytes=small + 1024)
+    with pytest.raises(InvalidRequestError, match="can never fit the KV pool.*raise pool_bytes"):
+        llm.generate([list(range(90))], SamplingParams(max_tokens=40))
+    assert llm.generate([list(range(20))], SamplingParams(max_tokens=4))[0].token_ids  # the engine still serves

@@ -59,6 +59,9 @@ class DenseKVManager:
         self.stores: dict[str, _Store] = {}
         self._step: tuple[list[str], int] | None = None
 
+    def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
+        return None
+
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         capacity = prompt_len + max_new_tokens + self.max_query_len
         self.stores[request_id] = _Store(self.cfg, capacity, self.dtype, self.device)

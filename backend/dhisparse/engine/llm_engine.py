@@ -84,6 +84,9 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+        reason = self.kv.never_admissible(len(prompt_token_ids), params.max_tokens)
+        if reason is not None:
+            raise InvalidRequestError(f"this request can never fit the KV pool: {reason}")
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None

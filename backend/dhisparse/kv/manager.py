@@ -65,6 +65,18 @@ class KVManager:
         """Device bytes a request reserves at admission under the configured policy."""
         return request_footprint(self.layout, self.config, prompt_len, max_new_tokens).required_bytes
 
+    def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
+        """Why a request of this size could never be admitted even on an empty pool (``None``: it can be)."""
+        need = self.required_bytes(prompt_len, max_new_tokens)
+        if need + self.config.reserve_bytes <= self.config.pool_bytes:
+            return None
+        return (
+            f"the request needs {need} device bytes ({self.config.policy}: prompt {prompt_len} + max_new_tokens "
+            f"{max_new_tokens}) but pool_bytes {self.config.pool_bytes} - reserve_bytes {self.config.reserve_bytes} "
+            f"leaves {self.config.pool_bytes - self.config.reserve_bytes}; raise pool_bytes, lower reserve_bytes or "
+            "max_new_tokens" + ("" if self.config.uses_host else ", or use kv policy 'adaptive' / 'hisparse'")
+        )
+
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         """Reserve the request's required memory; False = not now (keep it queued).
 
@@ -72,14 +84,9 @@ class KVManager:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already admitted")
         fp = request_footprint(self.layout, self.config, prompt_len, max_new_tokens)
-        if fp.required_bytes + self.config.reserve_bytes > self.config.pool_bytes:
-            raise AdmissionError(
-                f"request {request_id!r} needs {fp.required_bytes} device bytes ({self.config.policy}: prompt "
-                f"{prompt_len} + max_new_tokens {max_new_tokens}) but pool_bytes {self.config.pool_bytes} - "
-                f"reserve_bytes {self.config.reserve_bytes} leaves {self.config.pool_bytes - self.config.reserve_bytes}"
-                "; raise pool_bytes, lower reserve_bytes or max_new_tokens"
-                + ("" if self.config.uses_host else ", or use kv policy 'adaptive' / 'hisparse'")
-            )
+        reason = self.never_admissible(prompt_len, max_new_tokens)
+        if reason is not None:
+            raise AdmissionError(f"request {request_id!r}: {reason}")
         self._free_safe()
         deficit = fp.required_bytes - self.pool.spare_bytes
         if deficit > 0 and self.config.policy == "adaptive":
