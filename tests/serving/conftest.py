@@ -21,9 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 KV_POLICY = os.environ.get("DHISPARSE_SERVING_KV_POLICY", "adaptive")
 POOL_BYTES = 160 * 1024
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 512
 PROMPT = "To be, or not"  # a prompt whose greedy continuation runs LONG tokens without EOS
-LONG = 200
+LONG = 480  # long enough that a cancellation almost always lands mid-request
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def test_cancelled_stream_releases_its_memory(served, prompt_runs_long, model):
         stream = client.stream(PROMPT, GenerationOptions(max_tokens=LONG))
     for _ in range(3):
         next(stream)
-    _wait_for(lambda: client.metrics().get("requests_running", 0.0) >= 1.0)  # really holding memory now
+    _wait_for(lambda: client.metrics().get("kv_requests_running", 0.0) >= 1.0)  # really holding memory now
     holding = occupancy(client.metrics())
     assert holding["kv_required_bytes"] > 0 and holding["kv_host_pages_used"] > 0  # every tier in use
     stream.close()  # cancels the request on the server
