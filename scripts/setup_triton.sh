@@ -13,7 +13,12 @@
 #      perf_analyzer binary to .tools/perf_analyzer/bin/, symlinks libb64.so.0d and libcudart.so.12
 #      from nvidia_pytriton.libs into .tools/perf_analyzer/lib/, and writes the wrapper
 #      .tools/bin/perf_analyzer that sets LD_LIBRARY_PATH;
-#   4. smoke-checks both binaries.
+#   4. smoke-checks both binaries;
+#   5. only with WITH_GENAI_PERF=1: installs genai-perf 0.0.8 (the oldest release on PyPI, of Triton's
+#      24.11 line; seen working with perf_analyzer 2.51 — 0.0.16 wants its own perf-analyzer package) and
+#      its dependencies (~650 MB: pandas, pyarrow, plotly,
+#      statsmodels, ...) into .tools/genai-perf/site, outside the project venv, pinned to versions seen
+#      working with numpy<2, and writes the wrapper .tools/bin/genai-perf (`dhisparse-bench --genai-perf`).
 # The Triton backend directory itself is assembled by `dhisparse-serve` at every start.
 set -euo pipefail
 
@@ -82,3 +87,27 @@ grep -q 'Perf Analyzer Version 2.51' <<<"$VERSION" \
     || { echo "[setup_triton] perf_analyzer does not start" >&2; exit 1; }
 echo "[setup_triton] tritonserver: $TRITON/bin/tritonserver"
 echo "[setup_triton] perf_analyzer: $TOOLS/bin/perf_analyzer"
+
+# 5. Optional: genai-perf 0.0.8 on the same perf_analyzer (dhisparse-bench --genai-perf).
+if [[ "${WITH_GENAI_PERF:-0}" == 1 ]]; then
+    GP="$TOOLS/genai-perf"
+    if [[ ! -f "$GP/site/genai_perf/main.py" ]]; then
+        # --no-deps with an explicit, pinned list: genai-perf's own requirements pull numpy 2 / pandas 3,
+        # and the Triton stub needs numpy<2 (pandas 3 does not import with it).
+        "$PY" -m pip install --quiet --no-deps --target "$GP/site" genai-perf==0.0.8 pandas==2.2.3 \
+            pyarrow==26.0.1 plotly==7.1.0 statsmodels==0.15.0 scipy==1.17.1 patsy==1.0.3 fastparquet==2026.9.0 \
+            cramjam==2.14.0 fsspec==2026.9.0 narwhals==2.29.0 responses==0.26.3 pytest-mock==3.17.0 \
+            python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 requests==2.34.2 urllib3==2.8.0 idna==3.20 \
+            charset-normalizer==3.5.3 certifi==2026.10.19.post1
+    fi
+    PY_ABS="$("$PY" -c 'import sys; print(sys.executable)')"
+    cat > "$TOOLS/bin/genai-perf" <<EOF
+#!/usr/bin/env bash
+export PATH="$TOOLS/bin:\$PATH" PYTHONPATH="$GP/site\${PYTHONPATH:+:\$PYTHONPATH}" HF_HUB_OFFLINE=1
+exec "$PY_ABS" -m genai_perf.main "\$@"
+EOF
+    chmod +x "$TOOLS/bin/genai-perf"
+    "$TOOLS/bin/genai-perf" --version 2>&1 | grep -q 'genai-perf 0.0.8' \
+        || { echo "[setup_triton] genai-perf does not start" >&2; exit 1; }
+    echo "[setup_triton] genai-perf: $TOOLS/bin/genai-perf"
+fi

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dhisparse_client.bench_report import BenchRow, add_ratios, format_table, plot, residency_deltas, write_csv
 from dhisparse_client.client import DHiSparseClient, GenerationError, GenerationOptions
+from dhisparse_client.genai_perf import GenaiPerfError, find_genai_perf, run_genai_perf
 from dhisparse_client.perf import PerfAnalyzerError, find_perf_analyzer, run_level, write_input_data
 from dhisparse_client.prompts import cut_prompts, engine_limits, shakespeare_text
 from dhisparse_client.serve_process import ServeError, ServeProcess
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool-bytes", type=int, default=None, help="device KV pool budget for every policy")
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 8], help="levels, e.g. 1,4,8")
     p.add_argument("--requests", type=int, default=0,
-                   help="requests per level (default: max(8, 2 x concurrency))")
+                   help="requests per level (default: max(12, 3 x concurrency))")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length (capped to fit the engine)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--prompts", type=int, default=16, help="distinct prompts perf_analyzer cycles through")
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", type=Path, default=Path("build/bench"), help="where reports and plots go")
     p.add_argument("--perf-analyzer", type=Path, default=None, help="perf_analyzer 2.51 binary")
     p.add_argument("--level-timeout", type=float, default=600.0, help="seconds allowed per perf_analyzer run")
+    p.add_argument("--genai-perf", action="store_true",
+                   help="also run genai-perf 0.0.8 at every level (WITH_GENAI_PERF=1 scripts/setup_triton.sh)")
+    p.add_argument("--genai-perf-interval-ms", type=int, default=4000, help="genai-perf measurement window")
     return p.parse_args(argv)
 
 
@@ -70,6 +74,18 @@ def _log(message: str) -> None:
     print(f"[dhisparse-bench] {message}", file=sys.stderr, flush=True)
 
 
+def _genai_perf(args: argparse.Namespace, grpc_url: str, concurrency: int, out: Path) -> dict[str, float]:
+    """genai-perf's figures for one level, or {} (with a log line) when it is off or fails."""
+    if not args.genai_perf:
+        return {}
+    try:
+        return run_genai_perf(find_genai_perf(), grpc_url, args.engine, concurrency, args.prompt_tokens_used,
+                              args.max_tokens, out, args.model, args.genai_perf_interval_ms, args.level_timeout)
+    except GenaiPerfError as error:
+        _log(f"genai-perf at concurrency {concurrency} failed: {error}")
+        return {}
+
+
 def bench_policy(args: argparse.Namespace, policy: str, binary: Path, input_data: Path, warm_prompt: str
                  ) -> list[BenchRow]:
     """Start one server for `policy`, measure every concurrency level, stop it. Failed levels are skipped."""
@@ -84,13 +100,15 @@ def bench_policy(args: argparse.Namespace, policy: str, binary: Path, input_data
         client = DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url, model=args.model)
         list(client.stream(warm_prompt, GenerationOptions(max_tokens=4)))  # first-request costs out of the way
         for concurrency in args.concurrency:
-            count = args.requests or max(8, 2 * concurrency)
+            count = args.requests or max(12, 3 * concurrency)
             before = client.metrics()
             level_start = time.monotonic()
             result = run_level(binary, endpoints.grpc_url, input_data, concurrency, count, out, args.model,
                                args.level_timeout)
             time.sleep(0.6)  # metrics are refreshed every 250 ms by the server
-            rows.append(BenchRow(policy, result, **residency_deltas(before, client.metrics())))
+            residency = residency_deltas(before, client.metrics())
+            rows.append(BenchRow(policy, result, **residency,
+                                 genai_perf=_genai_perf(args, endpoints.grpc_url, concurrency, out)))
             _log(f"{policy}: concurrency {concurrency}: {result.token_throughput:.1f} tok/s, "
                  f"TTFT {result.ttft_ms:.0f} ms, ITL {result.itl_ms:.1f} ms ({time.monotonic() - level_start:.0f} s)")
     except (ServeError, PerfAnalyzerError, GenerationError) as error:
@@ -114,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt (max_model_len {max_len})")
         text = args.prompt_file.read_text() if args.prompt_file else shakespeare_text()
         prompts = cut_prompts(text, args.engine / "tokenizer.json", args.prompts, prompt_tokens)
+        args.prompt_tokens_used = prompt_tokens
     except (PerfAnalyzerError, ValueError, OSError) as error:
         print(f"dhisparse-bench: error: {error}", file=sys.stderr)
         return 2
@@ -121,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     input_data = write_input_data(args.output_dir / "input_data.json", prompts, args.max_tokens)
     setup = {"engine": str(args.engine), "policies": policies, "baseline": baseline, "pool_bytes": args.pool_bytes,
              "concurrency": args.concurrency, "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens,
-             "model": args.model, "engine_options": args.engine_option, "perf_analyzer": str(binary)}
+             "model": args.model, "engine_options": args.engine_option, "perf_analyzer": str(binary),
+             "genai_perf": args.genai_perf}
     (args.output_dir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
     _log(f"{len(policies)} policies x {len(args.concurrency)} levels, prompts of {prompt_tokens} tokens, "
          f"max_tokens {args.max_tokens}, output in {args.output_dir}")

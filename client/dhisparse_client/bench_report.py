@@ -24,6 +24,7 @@ class BenchRow:
         host_share: rows fetched from host / rows resolved, over this level (NaN without resolver work).
         admissions_waited, reclaim_events: increments over this level.
         ratios: metric -> policy / baseline at the same concurrency (filled by `add_ratios`).
+        genai_perf: genai-perf's figures at the same level (`run_genai_perf` keys), when it was run.
     """
 
     policy: str
@@ -32,6 +33,7 @@ class BenchRow:
     admissions_waited: float = math.nan
     reclaim_events: float = math.nan
     ratios: Mapping[str, float] = field(default_factory=dict)
+    genai_perf: Mapping[str, float] = field(default_factory=dict)
 
 
 RATIO_METRICS = ("token_throughput", "ttft_ms", "itl_ms")
@@ -59,7 +61,7 @@ def add_ratios(rows: Sequence[BenchRow], baseline: str) -> list[BenchRow]:
                 denominator = getattr(reference, metric)
                 ratios[metric] = getattr(row.result, metric) / denominator if denominator else math.nan
         out.append(BenchRow(row.policy, row.result, row.host_share, row.admissions_waited, row.reclaim_events,
-                            ratios))
+                            ratios, row.genai_perf))
     return out
 
 
@@ -80,16 +82,23 @@ COLUMNS = (  # header, value getter, format
     ("TTFT x", lambda r: r.ratios.get("ttft_ms", math.nan), "{:.2f}"),
     ("ITL x", lambda r: r.ratios.get("itl_ms", math.nan), "{:.2f}"),
 )
+GENAI_PERF_COLUMNS = (  # shown when genai-perf ran
+    ("gp tok/s", lambda r: r.genai_perf.get("gp_token_throughput", math.nan), "{:.1f}"),
+    ("gp TTFT", lambda r: r.genai_perf.get("gp_ttft_ms", math.nan), "{:.0f}"),
+    ("gp ITL", lambda r: r.genai_perf.get("gp_itl_ms", math.nan), "{:.1f}"),
+)
+GENAI_PERF_KEYS = ("gp_token_throughput", "gp_request_throughput", "gp_ttft_ms", "gp_itl_ms")
 
 
 def format_table(rows: Sequence[BenchRow], baseline: str) -> str:
-    """Aligned text table; the `x` columns are ratios to `baseline`."""
-    cells = [[h for h, _, _ in COLUMNS]]
+    """Aligned text table; the `x` columns are ratios to `baseline`, `gp` columns genai-perf's (p50) figures."""
+    columns = COLUMNS + (GENAI_PERF_COLUMNS if any(row.genai_perf for row in rows) else ())
+    cells = [[h for h, _, _ in columns]]
     for row in rows:
-        values = [getter(row) for _, getter, _ in COLUMNS]
+        values = [getter(row) for _, getter, _ in columns]
         cells.append(["-" if isinstance(v, float) and math.isnan(v) else fmt.format(v)
-                      for v, (_, _, fmt) in zip(values, COLUMNS, strict=True)])
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+                      for v, (_, _, fmt) in zip(values, columns, strict=True)])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     text = ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
     text.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(text) + f"\n(x = policy / {baseline} at the same concurrency, same run)"
@@ -98,14 +107,15 @@ def format_table(rows: Sequence[BenchRow], baseline: str) -> str:
 def write_csv(rows: Sequence[BenchRow], path: Path) -> Path:
     """One CSV line per row: every LevelResult field, residency deltas and ratios."""
     fields = ["policy", *asdict(rows[0].result), "host_share", "admissions_waited", "reclaim_events",
-              *(f"{m}_vs_baseline" for m in RATIO_METRICS)] if rows else ["policy"]
+              *(f"{m}_vs_baseline" for m in RATIO_METRICS), *GENAI_PERF_KEYS] if rows else ["policy"]
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for row in rows:
             writer.writerow({"policy": row.policy, **asdict(row.result), "host_share": row.host_share,
                              "admissions_waited": row.admissions_waited, "reclaim_events": row.reclaim_events,
-                             **{f"{m}_vs_baseline": row.ratios.get(m, math.nan) for m in RATIO_METRICS}})
+                             **{f"{m}_vs_baseline": row.ratios.get(m, math.nan) for m in RATIO_METRICS},
+                             **{k: row.genai_perf.get(k, math.nan) for k in GENAI_PERF_KEYS}})
     return path
 
 
