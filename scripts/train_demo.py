@@ -109,37 +109,18 @@ def sample_windows(data: torch.Tensor, batch: int, seq_len: int, gen: torch.Gene
 def target_config():  # -> GlmMoeDsaConfig
     from transformers import GlmMoeDsaConfig
 
+    # fmt: off
     return GlmMoeDsaConfig(
-        vocab_size=259,
-        hidden_size=160,
-        intermediate_size=384,
-        moe_intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        routed_scaling_factor=1.0,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=96,
-        kv_lora_rank=64,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        index_topk=64,
-        index_head_dim=32,
-        index_n_heads=16,
-        index_topk_pattern="FSFS",
-        max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        tie_word_embeddings=False,
+        vocab_size=259, hidden_size=160, intermediate_size=384, num_hidden_layers=4, first_k_dense_replace=1,
+        moe_intermediate_size=128, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        routed_scaling_factor=1.0, n_group=1, topk_group=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=96, kv_lora_rank=64,
+        qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+        index_topk=64, index_head_dim=32, index_n_heads=16, index_topk_pattern="FSFS",
+        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, tie_word_embeddings=False,
     )
+    # fmt: on
 
 
 AUX_ROWS = 4  # batch rows whose indexer scores are recomputed with grad for the auxiliary loss (cost bound)

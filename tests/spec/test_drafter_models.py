@@ -101,6 +101,17 @@ def test_batch_rows_are_independent(make):
         torch.testing.assert_close(single.probs, batched.probs[row : row + 1])
 
 
+@pytest.mark.parametrize("make", [small_flash, small_spark])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_propose_in_other_dtypes(make, dtype):
+    drafter = make()
+    reference = drafter.propose(features(2, 7), torch.tensor([1, 2]), 4).probs
+    proposal = drafter.to(dtype).propose(features(2, 7).to(dtype), torch.tensor([1, 2]), 4)
+    check_proposal(proposal, 2, 4, 50)
+    tolerance = 1e-6 if dtype == torch.float64 else 0.1
+    torch.testing.assert_close(proposal.probs, reference, rtol=0, atol=tolerance)
+
+
 def test_dflash2_reads_only_its_window():
     drafter = small_flash(window=5)
     feats, last = features(2, 12), torch.tensor([3, 4])

@@ -73,7 +73,8 @@ class DSparkDrafter(nn.Module):
         """h: [B, N, hidden]; logits: [B, N, V] (temperature 1) -> [B, N] float32 acceptance estimate."""
         logp = torch.log_softmax(logits.float(), dim=-1)
         stats = torch.stack([logp.max(-1).values.exp(), -(logp.exp() * logp).sum(-1)], dim=-1)
-        return torch.sigmoid(self.confidence_head(torch.cat([h.float(), stats], dim=-1)).squeeze(-1))
+        features = torch.cat([h, stats.to(h.dtype)], dim=-1)
+        return torch.sigmoid(self.confidence_head(features).float().squeeze(-1))
 
     def teacher_forced_logits(
         self, context_features: torch.Tensor, last_tokens: torch.Tensor, block_tokens: torch.Tensor
