@@ -1,10 +1,11 @@
 """`dhisparse-bench`: throughput, TTFT and inter-token latency per KV policy, measured by the real perf_analyzer.
 
-For each KV policy (same engine, same pool budget) it starts `dhisparse-serve`, warms it up, then runs
-perf_analyzer 2.51 with `--streaming` over gRPC against the ensemble at each concurrency level (long
-Shakespeare prompts cut to `--prompt-tokens`, `max_tokens` fixed), stops the server, and finally prints
-a table with ratios against the baseline policy measured in the same run, and writes `bench.csv` and
-`bench.png` (plus every perf_analyzer report and server log) to `--output-dir`. argparse lives only here.
+It starts one `dhisparse-serve` per KV policy (same engine, same pool budget) and warms each up; then, for
+every concurrency level and repeat, it runs perf_analyzer 2.51 with `--streaming` over gRPC against each
+policy's ensemble in turn (long Shakespeare prompts cut to `--prompt-tokens`, `max_tokens` fixed; the
+policy order rotates per repeat), stops the servers, and prints a table of medians with ratios against
+the baseline policy measured side by side, and writes `bench.csv` and `bench.png` (plus every
+perf_analyzer report and server log) to `--output-dir`. argparse lives only here.
 """
 
 from __future__ import annotations
@@ -14,9 +15,18 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from dhisparse_client.bench_report import BenchRow, add_ratios, format_table, plot, residency_deltas, write_csv
+from dhisparse_client.bench_report import (
+    BenchRow,
+    add_ratios,
+    combine_repeats,
+    format_table,
+    plot,
+    residency_deltas,
+    write_csv,
+)
 from dhisparse_client.client import DHiSparseClient, GenerationError, GenerationOptions
 from dhisparse_client.genai_perf import GenaiPerfError, find_genai_perf, run_genai_perf
 from dhisparse_client.perf import PerfAnalyzerError, find_perf_analyzer, run_level, write_input_data
@@ -40,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool-bytes", type=int, default=None, help="device KV pool budget for every policy")
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 8], help="levels, e.g. 1,4,8")
     p.add_argument("--requests", type=int, default=0,
-                   help="requests per level (default: max(12, 3 x concurrency))")
+                   help="requests per level and repeat (default: max(8, 2 x concurrency))")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per level and policy (medians reported)")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length (capped to fit the engine)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     p.add_argument("--prompts", type=int, default=16, help="distinct prompts perf_analyzer cycles through")
@@ -86,36 +97,79 @@ def _genai_perf(args: argparse.Namespace, grpc_url: str, concurrency: int, out: 
         return {}
 
 
-def bench_policy(args: argparse.Namespace, policy: str, binary: Path, input_data: Path, warm_prompt: str
-                 ) -> list[BenchRow]:
-    """Start one server for `policy`, measure every concurrency level, stop it. Failed levels are skipped."""
+@dataclass
+class PolicyServer:
+    """A running server for one policy; `failed` is set when one of its levels failed (it is then skipped)."""
+
+    policy: str
+    server: ServeProcess
+    client: DHiSparseClient
+    grpc_url: str
+    out: Path
+    failed: bool = False
+
+
+def start_server(args: argparse.Namespace, policy: str, warm_prompt: str) -> PolicyServer | None:
+    """Start and warm up `dhisparse-serve` for `policy`; None (logged) when it does not come up."""
     out = args.output_dir / policy
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[BenchRow] = []
     server = ServeProcess(args.engine, _engine_options(args, policy), log_path=out / "server.log")
     started = time.monotonic()
     try:
         endpoints = server.start()
-        _log(f"{policy}: server ready in {time.monotonic() - started:.1f} s (grpc {endpoints.grpc_url})")
         client = DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url, model=args.model)
         list(client.stream(warm_prompt, GenerationOptions(max_tokens=4)))  # first-request costs out of the way
-        for concurrency in args.concurrency:
-            count = args.requests or max(12, 3 * concurrency)
-            before = client.metrics()
-            level_start = time.monotonic()
-            result = run_level(binary, endpoints.grpc_url, input_data, concurrency, count, out, args.model,
-                               args.level_timeout)
-            time.sleep(0.6)  # metrics are refreshed every 250 ms by the server
-            residency = residency_deltas(before, client.metrics())
-            rows.append(BenchRow(policy, result, **residency,
-                                 genai_perf=_genai_perf(args, endpoints.grpc_url, concurrency, out)))
-            _log(f"{policy}: concurrency {concurrency}: {result.token_throughput:.1f} tok/s, "
-                 f"TTFT {result.ttft_ms:.0f} ms, ITL {result.itl_ms:.1f} ms ({time.monotonic() - level_start:.0f} s)")
-    except (ServeError, PerfAnalyzerError, GenerationError) as error:
-        _log(f"{policy}: stopped early: {error}")
-    finally:
+    except (ServeError, GenerationError) as error:
         server.stop()
-    return rows
+        _log(f"{policy}: server failed: {error}")
+        return None
+    _log(f"{policy}: server ready in {time.monotonic() - started:.1f} s (grpc {endpoints.grpc_url})")
+    return PolicyServer(policy, server, client, endpoints.grpc_url, out)
+
+
+def measure(args: argparse.Namespace, target: PolicyServer, binary: Path, input_data: Path, concurrency: int,
+            repeat: int) -> BenchRow | None:
+    """One perf_analyzer run (and genai-perf on the first repeat) against one server; None when it failed."""
+    count = args.requests or max(8, 2 * concurrency)
+    before = target.client.metrics()
+    level_start = time.monotonic()
+    try:
+        result = run_level(binary, target.grpc_url, input_data, concurrency, count, target.out, args.model,
+                           args.level_timeout, tag=f"c{concurrency}-r{repeat}")
+    except PerfAnalyzerError as error:
+        target.failed = True
+        _log(f"{target.policy}: concurrency {concurrency} failed, skipping this policy from now on: {error}")
+        return None
+    time.sleep(0.6)  # metrics are refreshed every 250 ms by the server
+    residency = residency_deltas(before, target.client.metrics())
+    _log(f"{target.policy}: concurrency {concurrency} repeat {repeat}: {result.token_throughput:.1f} tok/s, "
+         f"TTFT {result.ttft_ms:.0f} ms, ITL {result.itl_ms:.1f} ms ({time.monotonic() - level_start:.0f} s)")
+    gp = _genai_perf(args, target.grpc_url, concurrency, target.out) if repeat == 0 else {}
+    return BenchRow(target.policy, result, **residency, genai_perf=gp)
+
+
+def run_all(args: argparse.Namespace, policies: list[str], binary: Path, input_data: Path, warm_prompt: str
+            ) -> list[BenchRow]:
+    """All servers up at once; every (level, repeat) measures each policy in turn, the order rotating per
+    repeat, so that slow drifts of a shared machine hit every policy alike. Medians over repeats."""
+    servers: list[PolicyServer] = []
+    measured: dict[tuple[str, int], list[BenchRow]] = {}
+    try:
+        for policy in policies:
+            started = start_server(args, policy, warm_prompt)
+            if started is not None:
+                servers.append(started)
+        for concurrency in args.concurrency:
+            for repeat in range(args.repeats):
+                shift = repeat % max(1, len(servers))
+                for target in servers[shift:] + servers[:shift]:
+                    row = None if target.failed else measure(args, target, binary, input_data, concurrency, repeat)
+                    if row is not None:
+                        measured.setdefault((target.policy, concurrency), []).append(row)
+    finally:
+        for target in servers:
+            target.server.stop()
+    return [combine_repeats(measured[(p, c)]) for p in policies for c in args.concurrency if (p, c) in measured]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,15 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     input_data = write_input_data(args.output_dir / "input_data.json", prompts, args.max_tokens)
     setup = {"engine": str(args.engine), "policies": policies, "baseline": baseline, "pool_bytes": args.pool_bytes,
-             "concurrency": args.concurrency, "prompt_tokens": prompt_tokens, "max_tokens": args.max_tokens,
+             "concurrency": args.concurrency, "repeats": args.repeats, "prompt_tokens": prompt_tokens,
+             "max_tokens": args.max_tokens,
              "model": args.model, "engine_options": args.engine_option, "perf_analyzer": str(binary),
              "genai_perf": args.genai_perf}
     (args.output_dir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
-    _log(f"{len(policies)} policies x {len(args.concurrency)} levels, prompts of {prompt_tokens} tokens, "
-         f"max_tokens {args.max_tokens}, output in {args.output_dir}")
-    rows: list[BenchRow] = []
-    for policy in policies:
-        rows += bench_policy(args, policy, binary, input_data, prompts[0])
+    _log(f"{len(policies)} policies x {len(args.concurrency)} levels x {args.repeats} repeats, prompts of "
+         f"{prompt_tokens} tokens, max_tokens {args.max_tokens}, output in {args.output_dir}")
+    rows = run_all(args, policies, binary, input_data, prompts[0])
     if not rows:
         print("dhisparse-bench: error: nothing was measured (see the logs above)", file=sys.stderr)
         return 1

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dhisparse_client.perf import LevelResult
+from dhisparse_client.perf import LevelResult, median_result
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,18 @@ def residency_deltas(before: Mapping[str, float], after: Mapping[str, float]) ->
     resolved = delta("kv_resolved_rows")
     return {"host_share": delta("kv_rows_host") / resolved if resolved and resolved > 0 else math.nan,
             "admissions_waited": delta("kv_admissions_waited"), "reclaim_events": delta("kv_reclaim_events")}
+
+
+def combine_repeats(rows: Sequence[BenchRow]) -> BenchRow:
+    """One row from repeated measurements of one (policy, concurrency): medians of every figure."""
+    def median(values: list[float]) -> float:
+        finite = [v for v in values if not math.isnan(v)]
+        return statistics.median(finite) if finite else math.nan
+
+    return BenchRow(rows[0].policy, median_result([r.result for r in rows]),
+                    median([r.host_share for r in rows]), median([r.admissions_waited for r in rows]),
+                    median([r.reclaim_events for r in rows]),
+                    genai_perf=next((r.genai_perf for r in rows if r.genai_perf), {}))
 
 
 def add_ratios(rows: Sequence[BenchRow], baseline: str) -> list[BenchRow]:

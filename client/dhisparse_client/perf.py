@@ -20,7 +20,7 @@ import shutil
 import statistics
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 
@@ -112,11 +112,21 @@ def parse_profile(path: Path) -> tuple[list[float], list[float], list[int], floa
     return ttfts, itls, counts, (last_response - first_send) / 1e9 if counts else 0.0
 
 
+def median_result(results: Sequence[LevelResult]) -> LevelResult:
+    """Field-wise median of repeated measurements of one level (`requests`: the total over repeats)."""
+    if not results or len({r.concurrency for r in results}) != 1:
+        raise ValueError("median_result needs measurements of one concurrency level")
+    values = {f.name: statistics.median(getattr(r, f.name) for r in results) for f in fields(LevelResult)}
+    values["concurrency"], values["requests"] = results[0].concurrency, sum(r.requests for r in results)
+    return LevelResult(**values)
+
+
 def run_level(binary: Path, grpc_url: str, input_data: Path, concurrency: int, request_count: int,
-              workdir: Path, model: str = "ensemble", timeout_s: float = 600.0) -> LevelResult:
-    """Run perf_analyzer once (`--streaming`, gRPC, fixed request count) and summarise its reports."""
+              workdir: Path, model: str = "ensemble", timeout_s: float = 600.0, tag: str = "") -> LevelResult:
+    """Run perf_analyzer once (`--streaming`, gRPC, fixed request count) and summarise its reports, which
+    are kept in `workdir` as `<tag>.csv`, `<tag>.json` and `<tag>.log` (tag: `c<concurrency>` by default)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    stem = workdir / f"c{concurrency}"
+    stem = workdir / (tag or f"c{concurrency}")
     csv_path, profile_path, log_path = stem.with_suffix(".csv"), stem.with_suffix(".json"), stem.with_suffix(".log")
     for stale in (csv_path, profile_path):  # perf_analyzer refuses to overwrite a profile export
         stale.unlink(missing_ok=True)

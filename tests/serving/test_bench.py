@@ -19,7 +19,7 @@ def test_bench_measures_one_policy_with_the_real_perf_analyzer(tiny_engine, tmp_
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "dhisparse_client.bench", "--engine", str(tiny_engine), "--policies", "hisparse",
            "--concurrency", "2", "--requests", "4", "--prompt-tokens", "48", "--max-tokens", "6",
-           "--prompts", "4", "--pool-bytes", str(256 * 1024), "--output-dir", str(out)]
+           "--prompts", "4", "--repeats", "1", "--pool-bytes", str(256 * 1024), "--output-dir", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "hisparse" in done.stdout and "tok/s" in done.stdout
@@ -32,4 +32,4 @@ def test_bench_measures_one_policy_with_the_real_perf_analyzer(tiny_engine, tmp_
     assert float(row["host_share"]) > 0  # hisparse keeps the history on host: some rows were fetched
     assert float(row["token_throughput_vs_baseline"]) == 1.0  # the baseline is the only policy measured
     assert (out / "bench.png").stat().st_size > 10_000
-    assert (out / "hisparse" / "c2.csv").exists() and (out / "hisparse" / "c2.json").exists()
+    assert (out / "hisparse" / "c2-r0.csv").exists() and (out / "hisparse" / "c2-r0.json").exists()

@@ -1,0 +1,33 @@
+"""Bench result arithmetic: medians over repeats, ratios to the baseline, the table (no server)."""
+
+from __future__ import annotations
+
+import math
+
+from dhisparse_client.bench_report import BenchRow, add_ratios, combine_repeats, format_table
+from dhisparse_client.perf import LevelResult
+
+
+def _result(concurrency: int, tokens_per_s: float, ttft_ms: float) -> LevelResult:
+    return LevelResult(concurrency, tokens_per_s / 10, tokens_per_s, 100.0, ttft_ms, ttft_ms * 2, 5.0, 8, 10.0,
+                       1.0, 1.0, 1.0)
+
+
+def test_repeats_combine_to_medians_and_total_requests():
+    rows = [BenchRow("adaptive", _result(4, t, f), host_share=h) for t, f, h in
+            ((10.0, 300.0, 0.1), (30.0, 100.0, math.nan), (20.0, 200.0, 0.3))]
+    combined = combine_repeats(rows)
+    assert combined.result.token_throughput == 20.0 and combined.result.ttft_ms == 200.0
+    assert combined.result.requests == 24 and combined.result.concurrency == 4
+    assert math.isclose(combined.host_share, 0.2)  # NaN (no resolver work) is left out
+
+
+def test_ratios_are_policy_over_baseline_at_the_same_concurrency():
+    rows = [BenchRow("adaptive", _result(1, 30.0, 100.0)), BenchRow("hisparse", _result(1, 20.0, 200.0)),
+            BenchRow("adaptive", _result(8, 50.0, 100.0))]
+    adaptive1, hisparse1, adaptive8 = add_ratios(rows, "hisparse")
+    assert adaptive1.ratios == {"token_throughput": 1.5, "ttft_ms": 0.5, "itl_ms": 1.0}
+    assert hisparse1.ratios["token_throughput"] == 1.0
+    assert adaptive8.ratios == {}  # the baseline was not measured there
+    table = format_table([adaptive1, hisparse1, adaptive8], "hisparse")
+    assert "1.50" in table and "policy / hisparse" in table and "gp tok/s" not in table
