@@ -307,3 +307,25 @@ def test_demo_drafters_are_accepted_by_the_demo_target():
         feats = torch.cat([kept[i] for i in drafter.config.target_layer_ids], dim=-1)
         result = replay_greedy(drafter, tokens, feats, prompt.shape[1], 4)
         assert result.tokens_per_step >= 2.0, (name, result)
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+def test_training_learns_a_counting_target(kind):
+    """Distillation on a target whose next token is always ``token + 1 (mod V)`` (features are noise): the
+    drafter must learn to draft whole blocks of it from the last token and the block offsets."""
+    from dhisparse.spec.drafters.training import DistillationData, TrainSettings, train_dflash2, train_dspark
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    common = {**SMALL, "vocab_size": 20, "hidden_size": 64, "num_heads": 4, "intermediate_size": 128}
+    if kind == "dflash2":
+        drafter, fit = DFlash2Drafter(DFlash2Config(window=4, **common)), train_dflash2
+    else:
+        drafter, fit = DSparkDrafter(DSparkConfig(markov_rank=16, **common)), train_dspark
+    tokens = (torch.randint(0, 20, (8, 1), generator=gen) + torch.arange(40)) % 20
+    probs = torch.nn.functional.one_hot((tokens + 1) % 20, 20).float()
+    data = DistillationData(tokens, torch.randn(8, 40, 24, generator=gen).bfloat16(), probs.bfloat16())
+    fit(drafter, data, TrainSettings(steps=300, sequences_per_step=4, anchors_per_sequence=8, lr=3e-3), 1000)
+    last = torch.tensor([3, 17, 19])
+    drafted = drafter.propose(torch.randn(3, drafter.window, 24, generator=gen), last, 6).tokens
+    assert torch.equal(drafted, (last[:, None] + 1 + torch.arange(6)) % 20)
