@@ -242,6 +242,22 @@ def eval_loss(model, data: torch.Tensor, seq_len: int, batches: int, batch: int)
     return sum(losses) / len(losses)
 
 
+@torch.no_grad()
+def loss_by_position(model, data: torch.Tensor, seq_len: int = 2048, rows: int = 4) -> dict[str, dict[str, float]]:
+    """Held-out loss (nats per byte) by position range, with the configured top-k ("sparse") and with the
+    indexer selecting every position ("dense"): does the model use long contexts, and does the sparse path?"""
+    x = sample_windows(data, rows, seq_len, torch.Generator().manual_seed(SEED + 8))
+    edges = [0, 128, 256, 512, 1024, seq_len - 1]
+    result = {}
+    for name, topk in (("sparse", model.config.index_topk), ("dense", seq_len)):
+        set_index_topk(model, topk)
+        logits = torch.cat([model(input_ids=row[None], use_cache=False).logits.float() for row in x])
+        nll = F.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")  # [rows, seq_len - 1]
+        result[name] = {f"{a}-{b}": round(nll[:, a:b].mean().item(), 3) for a, b in zip(edges, edges[1:], strict=False)}
+    set_index_topk(model, model.config.index_topk)
+    return result
+
+
 def train_target(out_dir: Path, train: torch.Tensor, heldout: torch.Tensor, phases: list[tuple]) -> dict:
     """Train with AdamW + cosine schedule over ``phases`` = [(steps, batch, seq_len, index_topk), ...]."""
     from transformers import GlmMoeDsaForCausalLM
@@ -424,6 +440,7 @@ def evaluate(out: Path, heldout: torch.Tensor, prompts: int, prompt_len: int, ne
         for threshold in (0.0, 0.2, 0.4, 0.6, 0.8)
         for r in [replay(8, confidence_threshold=threshold)]
     }
+    metrics["heldout_loss_by_position"] = loss_by_position(model, heldout)
     metrics["seconds"] = round(time.time() - start, 1)
     sample = greedy_continue(model, torch.tensor([[BOS_ID, *b"**HAMLET**  \nTo be, or not to be"]]), 240)
     metrics["greedy_sample"] = bytes(t for t in sample[0, 1:].tolist() if t < 256).decode(errors="replace")
