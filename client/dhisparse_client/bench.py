@@ -29,7 +29,7 @@ from dhisparse_client.bench_report import (
 )
 from dhisparse_client.client import DHiSparseClient, GenerationError, GenerationOptions
 from dhisparse_client.genai_perf import GenaiPerfError, find_genai_perf, run_genai_perf
-from dhisparse_client.perf import PerfAnalyzerError, find_perf_analyzer, run_level, write_input_data
+from dhisparse_client.perf import PerfAnalyzerError, find_perf_analyzer, run_level, with_token_count, write_input_data
 from dhisparse_client.prompts import cut_prompts, engine_limits, shakespeare_text
 from dhisparse_client.serve_process import ServeError, ServeProcess
 
@@ -119,6 +119,7 @@ def start_server(args: argparse.Namespace, policy: str, warm_prompt: str) -> Pol
         endpoints = server.start()
         client = DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url, model=args.model)
         list(client.stream(warm_prompt, GenerationOptions(max_tokens=4)))  # first-request costs out of the way
+        time.sleep(0.6)  # let /metrics count the warm-up before the first level reads its baseline
     except (ServeError, GenerationError) as error:
         server.stop()
         _log(f"{policy}: server failed: {error}")
@@ -141,7 +142,10 @@ def measure(args: argparse.Namespace, target: PolicyServer, binary: Path, input_
         _log(f"{target.policy}: concurrency {concurrency} failed, skipping this policy from now on: {error}")
         return None
     time.sleep(0.6)  # metrics are refreshed every 250 ms by the server
-    residency = residency_deltas(before, target.client.metrics())
+    after = target.client.metrics()
+    residency = residency_deltas(before, after)
+    if "generated_tokens" in after:
+        result = with_token_count(result, after["generated_tokens"] - before.get("generated_tokens", 0.0))
     _log(f"{target.policy}: concurrency {concurrency} repeat {repeat}: {result.token_throughput:.1f} tok/s, "
          f"TTFT {result.ttft_ms:.0f} ms, ITL {result.itl_ms:.1f} ms ({time.monotonic() - level_start:.0f} s)")
     gp = _genai_perf(args, target.grpc_url, concurrency, target.out) if repeat == 0 else {}

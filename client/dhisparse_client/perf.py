@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import statistics
 import subprocess
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 
@@ -53,11 +54,12 @@ class LevelResult:
 
     Attributes:
         request_throughput: completed requests per second over the run (first send to last response).
-        token_throughput: responses per second over the run = generated tokens/s.
+        token_throughput: generated tokens per second over the run (responses/s until `with_token_count`).
         latency_p50_ms: median request latency, send to final response (CSV "p50 latency").
         ttft_ms, ttft_p90_ms: median and 90th percentile time to first token over requests.
         itl_ms: median over requests of the mean inter-token latency.
-        requests: requests in the profile export; tokens_per_request: mean responses per request.
+        requests: requests in the profile export; tokens_per_request: mean tokens per request (responses
+            until `with_token_count`); responses_per_request: mean responses per request.
         duration_s: first send to last response.
         pa_request_throughput, pa_token_throughput: the CSV's "Inferences/Second" and "Response Throughput".
     """
@@ -71,6 +73,7 @@ class LevelResult:
     itl_ms: float
     requests: int
     tokens_per_request: float
+    responses_per_request: float
     duration_s: float
     pa_request_throughput: float
     pa_token_throughput: float
@@ -110,6 +113,21 @@ def parse_profile(path: Path) -> tuple[list[float], list[float], list[int], floa
             if len(stamps) > 1:
                 itls.append((stamps[-1] - stamps[0]) / 1e6 / (len(stamps) - 1))
     return ttfts, itls, counts, (last_response - first_send) / 1e9 if counts else 0.0
+
+
+def with_token_count(result: LevelResult, generated_tokens: float) -> LevelResult:
+    """Use the server's count of tokens generated during the level (`generated_tokens` delta on /metrics).
+
+    With speculation one response carries several tokens, so responses undercount tokens: throughput becomes
+    tokens / duration, and the inter-token latency is rescaled from per-response to per-token gaps with the
+    mean counts, ((responses - 1) / (tokens - 1)). Without speculation tokens == responses: nothing changes.
+    """
+    tokens = generated_tokens / result.requests
+    if not math.isfinite(tokens) or tokens <= 1 or result.responses_per_request <= 1:
+        return result
+    scale = (result.responses_per_request - 1) / (tokens - 1)
+    return replace(result, token_throughput=generated_tokens / result.duration_s, tokens_per_request=tokens,
+                   itl_ms=result.itl_ms * scale)
 
 
 def median_result(results: Sequence[LevelResult]) -> LevelResult:
@@ -152,7 +170,8 @@ def run_level(binary: Path, grpc_url: str, input_data: Path, concurrency: int, r
         token_throughput=sum(counts) / duration_s, latency_p50_ms=row["p50 latency"] / 1e3,
         ttft_ms=statistics.median(ttfts), ttft_p90_ms=_percentile(ttfts, 0.9),
         itl_ms=statistics.median(itls) if itls else float("nan"), requests=len(ttfts),
-        tokens_per_request=statistics.fmean(counts), duration_s=duration_s,
+        tokens_per_request=statistics.fmean(counts), responses_per_request=statistics.fmean(counts),
+        duration_s=duration_s,
         pa_request_throughput=row["Inferences/Second"],
         pa_token_throughput=row.get("Response Throughput", float("nan")),
     )

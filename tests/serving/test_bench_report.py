@@ -10,7 +10,7 @@ from dhisparse_client.perf import LevelResult
 
 def _result(concurrency: int, tokens_per_s: float, ttft_ms: float) -> LevelResult:
     return LevelResult(concurrency, tokens_per_s / 10, tokens_per_s, 100.0, ttft_ms, ttft_ms * 2, 5.0, 8, 10.0,
-                       1.0, 1.0, 1.0)
+                       10.0, 1.0, 1.0, 1.0)
 
 
 def test_repeats_combine_to_medians_and_total_requests():
@@ -31,3 +31,13 @@ def test_ratios_are_policy_over_baseline_at_the_same_concurrency():
     assert adaptive8.ratios == {}  # the baseline was not measured there
     table = format_table([adaptive1, hisparse1, adaptive8], "hisparse")
     assert "1.50" in table and "policy / hisparse" in table and "gp tok/s" not in table
+
+
+def test_server_token_count_corrects_speculative_responses():
+    from dhisparse_client.perf import with_token_count
+
+    result = _result(1, 10.0, 100.0)  # 8 requests, 10 responses each, ITL 5 ms between responses, 1 s
+    corrected = with_token_count(result, generated_tokens=8 * 19.0)  # 19 tokens per request
+    assert corrected.token_throughput == 152.0 and corrected.tokens_per_request == 19.0
+    assert math.isclose(corrected.itl_ms, 5.0 * 9 / 18)
+    assert with_token_count(result, 8 * 10.0).itl_ms == 5.0  # no speculation: unchanged
