@@ -25,24 +25,6 @@ from dhisparse.serving.stop_sequences import StopSequenceMatcher
 from dhisparse.serving.triton_tensors import error_response, response
 
 
-def keep_polling_while_releasing(engine: Any) -> None:
-    """Make the engine loop keep stepping while the KV manager still holds released requests' memory.
-
-    Workaround: `EngineLoop` idles (no `step`, hence no `kv.poll`) as soon as no request is waiting or
-    running, but a request cancelled between steps can still be *releasing* (its last host backup copy is
-    pending), so its memory would stay allocated until the next request arrives. One more `step` (which
-    polls and otherwise does nothing when no request is queued) frees it. Harmless once the loop polls
-    when idle itself.
-    """
-    kv, base = engine.kv, engine.has_unfinished
-
-    def has_unfinished() -> bool:
-        copies = getattr(kv, "copies", None)
-        return base() or bool(getattr(kv, "releasing", ())) or bool(getattr(copies, "num_pending", 0))
-
-    engine.has_unfinished = has_unfinished
-
-
 class LLMService:
     """Serve `LLMRequest`s from a running `EngineLoop` to Triton response senders.
 
@@ -56,7 +38,6 @@ class LLMService:
     def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25) -> None:
         self._pb = pb
         self.loop = loop
-        keep_polling_while_releasing(loop.engine)
         self._metrics = metrics
         self._interval_s = interval_s
         self._ids = itertools.count()
