@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 
-from dhisparse.kv.resolver import resolve
+from dhisparse.kv.resolver import resolve  # noqa: E402 (after the sys.path set-up above)
 
 LIB = ROOT / "build" / "native" / "plugins" / "libdhisparse_cuda.so"
 FP8_RANK, FP8_ROPE, FP8_ROW_BYTES = 512, 64, 656
@@ -214,7 +214,8 @@ def check_row_copy(lib: ctypes.CDLL, g: torch.Generator, quick: bool) -> None:
         ms = _time_ms(lambda args=args: lib.dhs_cuda_row_copy(*args))
         blocks = min(32, max(4, -(-batch // 4)))
         print(
-            f"  batch {batch:4d}: {blocks:2d} blocks, {ms * 1e3:8.1f} us, {batch * per * FP8_ROW_BYTES / ms / 1e6:6.2f} GB/s"
+            f"  batch {batch:4d}: {blocks:2d} blocks, {ms * 1e3:8.1f} us, "
+            f"{batch * per * FP8_ROW_BYTES / ms / 1e6:6.2f} GB/s"
         )
 
 

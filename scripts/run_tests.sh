@@ -8,6 +8,7 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+ruff check backend client engine_builder tests scripts
 start=$(date +%s)
 python -m pytest -q -p no:cacheprovider "$@" tests
 echo "[run_tests] pytest took $(( $(date +%s) - start )) s"

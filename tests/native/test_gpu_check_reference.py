@@ -37,7 +37,7 @@ def naive_sparse_mla(q_lat, q_pe, kv, locations, scale):
                 top = max(scores)
                 weights = [math.exp(s - top) for s in scores]
                 total = sum(weights)
-                for w, j in zip(weights, valid):
+                for w, j in zip(weights, valid, strict=False):
                     out[b, q, h] += w / total * kv[j, :rank].double()
     return out
 

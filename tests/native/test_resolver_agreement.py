@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from dhisparse import native
 from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, resolve
 
@@ -80,7 +81,9 @@ def test_random_traces_agree(block: int) -> None:
 
 def test_exact_case_of_the_specification() -> None:
     """The spec's first exact-value case, through the native library."""
-    t = lambda v: torch.tensor(v, dtype=torch.int64)
+    def t(v: list) -> torch.Tensor:
+        return torch.tensor(v, dtype=torch.int64)
+
     res = native.resolve(
         t([[1, 9, 13, 5, 9, -1, 7, 12]]), t([[5, -1, -1, 2]]), t([[9, -1, 6, 4]]), t([[3, 0, 1, 2]]),
         t([[100, 101, 102, 103]]), 10, 4,

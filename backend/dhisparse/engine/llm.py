@@ -74,9 +74,9 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompt_token_ids)
         if len(plist) != len(prompt_token_ids):
             raise ValueError(f"{len(plist)} SamplingParams for {len(prompt_token_ids)} prompts")
-        for p, sp in zip(prompt_token_ids, plist):
+        for p, sp in zip(prompt_token_ids, plist, strict=False):
             self.engine.validate([int(t) for t in p], sp)
-        ids = [self.engine.add_request(list(p), sp) for p, sp in zip(prompt_token_ids, plist)]
+        ids = [self.engine.add_request(list(p), sp) for p, sp in zip(prompt_token_ids, plist, strict=False)]
         while any(self.engine.requests[i].finish_reason is None for i in ids):
             self.engine.step()
         outputs = []

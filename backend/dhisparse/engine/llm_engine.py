@@ -177,7 +177,7 @@ class LLMEngine:
         tokens = self._sample(batch, out.logits[:, -1])
         self.counters["decode_steps"] += 1
         self.counters["decode_batch_rows"] += len(batch)
-        for req, token in zip(list(batch), tokens):
+        for req, token in zip(list(batch), tokens, strict=False):
             req.num_computed += 1
             self._append_tokens(req, [token], updates)
 
@@ -197,7 +197,7 @@ class LLMEngine:
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
         accepted, next_tokens = self._accept(batch, out.logits, draft, lengths)
         kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
-        self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist())})
+        self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist(), strict=False)})
         spec.advance(slots, spec.features(out.hidden), kept)
         self.counters["verify_steps"] += 1
         self.counters["verify_rows"] += len(batch)
@@ -205,7 +205,7 @@ class LLMEngine:
         self.counters["draft_tokens_accepted"] += int(accepted.sum())
         self.counters["draft_tokens_shortened"] += int((spec.gamma - lengths).sum())
         for req, n, k, nxt, row, g in zip(list(batch), accepted.tolist(), kept.tolist(), next_tokens.tolist(),
-                                          draft.tolist(), lengths.tolist()):
+                                          draft.tolist(), lengths.tolist(), strict=False):
             req.num_computed += k
             req.counters["draft_tokens_proposed"] = req.counters.get("draft_tokens_proposed", 0.0) + g
             req.counters["draft_tokens_accepted"] = req.counters.get("draft_tokens_accepted", 0.0) + n

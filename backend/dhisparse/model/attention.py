@@ -20,7 +20,7 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default
 
 
 class IndexedMLA:
-    """One layer's attention. ``weights`` holds canonical tensor names; ``prefix`` is ``model.layers.{i}.self_attn.``."""
+    """One layer's attention; ``weights`` holds canonical tensor names (``model.layers.{i}.self_attn.…``)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, torch.Tensor]) -> None:
         p = f"model.layers.{layer}.self_attn."
