@@ -268,7 +268,7 @@ def test_demo_checkpoints_fit_the_target_and_the_size_budget():
         check_proposal(drafter.propose(feats, torch.tensor([65, 66]), 8), 2, 8, target["vocab_size"])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.text())
 def test_demo_tokenizer_round_trips_utf8(text):
     from tokenizers import Tokenizer
