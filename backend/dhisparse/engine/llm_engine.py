@@ -187,15 +187,18 @@ class LLMEngine:
         assert spec is not None and self.staging is not None
         slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
-        draft, lengths, _ = spec.propose(slots, last, len(batch))
+        temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=dev)
+        seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64, device=dev)
+        counters = torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=dev)
+        draft, q_draft, lengths, _ = spec.propose(slots, last, len(batch), temperature, seeds, counters)
         q_len = int(lengths.max()) + 1  # every request verifies its own `lengths[b]`; the batch pads to the max
-        draft = draft[:, : q_len - 1]
+        draft, q_draft = draft[:, : q_len - 1], q_draft[:, : q_len - 1]
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
         base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
         step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
-        accepted, next_tokens = self._accept(batch, out.logits, draft, lengths)
+        accepted, next_tokens = self._accept(batch, out.logits, draft, q_draft, lengths)
         kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
         self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist(), strict=False)})
         spec.advance(slots, spec.features(out.hidden), kept)
@@ -212,8 +215,9 @@ class LLMEngine:
             req.counters["verify_steps"] = req.counters.get("verify_steps", 0.0) + 1
             self._append_tokens(req, row[:n] + [nxt], updates)
 
-    def _accept(self, batch: list[Request], logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accept(self, batch: list[Request], logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor,
+                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy rows: prefix match. Sampled rows: rejection sampling against the drafts' proposal law ``q``."""
         accepted, next_tokens = greedy_accept(logits, draft, lengths)
         temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=logits.device)
         sampled = temperature > 0
@@ -224,7 +228,6 @@ class LLMEngine:
         top_p = torch.tensor([r.params.top_p for r in batch], dtype=torch.float64, device=logits.device)
         p = filtered_probs(logits.reshape(b * q, v), temperature.repeat_interleave(q), top_k.repeat_interleave(q),
                            top_p.repeat_interleave(q)).view(b, q, v)
-        q_draft = torch.zeros(b, q - 1, v, dtype=p.dtype, device=p.device).scatter_(2, draft.unsqueeze(-1), 1.0)
         seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64, device=logits.device)
         counters = torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=logits.device)
         steps = counters.unsqueeze(1) + torch.arange(q - 1, device=logits.device)

@@ -1,8 +1,8 @@
 """Glue between the engine and a drafter: context rows in the draft ring, proposals, load-aware verification length.
 
-Both drafters propose **greedily** (``d_i = argmax``). For sampled requests the proposal distribution is then the
-point mass ``q_i = δ(d_i)``, and ``rejection_accept`` with that ``q`` is exact speculative sampling: accept ``d``
-with probability ``p(d)``, otherwise draw from ``p`` restricted to the other tokens.
+Greedy requests get the drafter's argmax tokens. Sampled requests draw each draft token from the drafter's own
+distribution at the request's temperature, ``q_i = softmax(logits_i / T)`` (DSpark: token ``i`` feeds its Markov
+head for token ``i + 1``), with the engine's counter-based uniforms, and that ``q`` goes to ``rejection_accept``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from dhisparse.engine.sampling import sample_from, uniform
 from dhisparse.errors import ConfigError
 from dhisparse.model.config import ModelConfig
 from dhisparse.spec.drafters import DFlash2Drafter, DSparkDrafter, confident_prefix_length, load_drafter
@@ -81,27 +82,67 @@ class Speculator:
         self.ring.append(slots, self._context_rows(features), kept)
 
     # ------------------------------------------------------------------------------------------ propose
-    def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, batch_size: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """→ ``(draft [B, gamma], lengths [B], confidence [B, gamma] | None)``. ``lengths`` is how many drafts each
-        request verifies: ``gamma`` for DFlash2; for DSpark the confident prefix under a threshold that rises to
-        ``busy_confidence`` when ``batch_size >= busy_batch`` (load-aware shortening)."""
+    def propose(
+        self,
+        slots: torch.Tensor,
+        last_tokens: torch.Tensor,
+        batch_size: int,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        counters: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """→ ``(draft [B, gamma], q [B, gamma, V] float64, lengths [B], confidence [B, gamma] | None)``.
+
+        ``temperature [B]`` (0 = greedy: ``q`` is the point mass of the argmax), ``seeds``/``counters [B]`` key the
+        uniforms (stream 3). ``lengths`` is how many drafts each request verifies: ``gamma`` for DFlash2; for DSpark
+        the confident prefix under a threshold that rises to ``busy_confidence`` when ``batch_size >= busy_batch``
+        (load-aware shortening)."""
         context, mask = self.ring.context(slots)
         b = slots.shape[0]
+        steps = counters.unsqueeze(1) + torch.arange(self.gamma, device=self.device)
+        u = uniform(seeds.unsqueeze(1).expand_as(steps), steps, stream=3)  # [B, gamma]
+        confidence = None
         with torch.no_grad():
             if isinstance(self.drafter, DFlash2Drafter):
                 cfg = self.drafter.config
                 kv = context.view(b, self.ring.window, cfg.num_layers, 2, cfg.hidden_size)
-                logits = self.drafter.block_logits(kv, last_tokens, self.gamma, mask)
-                draft = logits.argmax(dim=-1)
-                return draft, torch.full((b,), self.gamma, dtype=torch.int64, device=self.device), None
-            assert isinstance(self.drafter, DSparkDrafter)
-            proposal = self.drafter.propose(context[:, -1:], last_tokens, self.gamma)
-        busy = batch_size >= self.busy_batch
-        threshold = max(self.min_confidence, self.busy_confidence if busy else 0.0)
-        lengths = confident_prefix_length(proposal.confidence, threshold)
-        return proposal.tokens, lengths, proposal.confidence
+                logits = self.drafter.block_logits(kv, last_tokens, self.gamma, mask)  # [B, gamma, V]
+                draft, q = _choose(logits, temperature.unsqueeze(1), u)
+            else:
+                assert isinstance(self.drafter, DSparkDrafter)
+                h, base = self.drafter.backbone(context[:, -1], last_tokens, self.gamma)
+                previous, tokens, dists, step_logits = last_tokens, [], [], []
+                for i in range(self.gamma):  # sequential only through the rank-r Markov head; batched over B
+                    logits_i = base[:, i] + self.drafter.markov_logits(h[:, i:i + 1], previous[:, None])[:, 0]
+                    previous, q_i = _choose(logits_i, temperature, u[:, i])
+                    tokens.append(previous)
+                    dists.append(q_i)
+                    step_logits.append(logits_i)
+                draft, q = torch.stack(tokens, dim=1), torch.stack(dists, dim=1)
+                confidence = self.drafter.confidence(h, torch.stack(step_logits, dim=1))
+        if confidence is None:
+            lengths = torch.full((b,), self.gamma, dtype=torch.int64, device=self.device)
+        else:
+            busy = batch_size >= self.busy_batch
+            threshold = max(self.min_confidence, self.busy_confidence if busy else 0.0)
+            lengths = confident_prefix_length(confidence, threshold)
+        return draft, q, lengths, confidence
 
     @property
     def ring_bytes_per_request(self) -> int:
         return self.ring.bytes_per_request
+
+
+def _choose(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft tokens and their proposal law from ``logits [..., V]``: argmax and its point mass where
+    ``temperature == 0``, else a draw from ``softmax(logits / T)`` by inverse CDF with ``u [...]``."""
+    logits = logits.to(torch.float64)
+    greedy = temperature <= 0
+    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float64)
+    soft = torch.softmax(logits / safe_t.unsqueeze(-1), dim=-1)
+    best = logits.argmax(dim=-1)
+    point = torch.zeros_like(soft).scatter_(-1, best.unsqueeze(-1), 1.0)
+    q = torch.where(greedy.unsqueeze(-1), point, soft)
+    flat_q = q.reshape(-1, q.shape[-1])
+    drawn = sample_from(flat_q, u.reshape(-1)).view(best.shape)
+    return torch.where(greedy, best, drawn), q
