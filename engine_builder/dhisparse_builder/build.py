@@ -88,8 +88,8 @@ def _pack_drafter(drafter: Path, staging: Path) -> None:
     config_path = drafter / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{drafter}: drafter config.json not found")
-    kind = json.loads(config_path.read_text()).get("drafter_type") or json.loads(config_path.read_text()).get(
-        "model_type")
+    config = json.loads(config_path.read_text())
+    kind = config.get("drafter_type") or config.get("model_type")
     if not kind:
         raise CheckpointError(f"{config_path}: no 'drafter_type' field")
     target = staging / "drafters" / str(kind)

@@ -6,6 +6,7 @@ import collections
 import itertools
 import time
 import zlib
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,26 @@ from dhisparse.model.model import DSAModel
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.speculator import Speculator
 from dhisparse.spec.staging import VerificationStaging
+
+
+class BatchSampling(NamedTuple):
+    """The sampling parameters of a batch as tensors ``[B]``, built once per step."""
+
+    temperature: torch.Tensor  # float64
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float64
+    seeds: torch.Tensor  # int64 bit patterns of the requests' random streams
+    counters: torch.Tensor  # int64, tokens generated so far (the stream position)
+
+    @classmethod
+    def of(cls, batch: list[Request], device: torch.device) -> BatchSampling:
+        return cls(
+            torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=device),
+            torch.tensor([r.params.top_k for r in batch], dtype=torch.int64, device=device),
+            torch.tensor([r.params.top_p for r in batch], dtype=torch.float64, device=device),
+            torch.tensor([r.seed for r in batch], dtype=torch.int64, device=device),
+            torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=device),
+        )
 
 
 class LLMEngine:
@@ -187,10 +208,9 @@ class LLMEngine:
         assert spec is not None and self.staging is not None
         slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
-        temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=dev)
-        seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64, device=dev)
-        counters = torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=dev)
-        draft, q_draft, lengths, _ = spec.propose(slots, last, len(batch), temperature, seeds, counters)
+        sampling = BatchSampling.of(batch, dev)
+        draft, q_draft, lengths, _ = spec.propose(slots, last, len(batch), sampling.temperature, sampling.seeds,
+                                                  sampling.counters)
         q_len = int(lengths.max()) + 1  # every request verifies its own `lengths[b]`; the batch pads to the max
         draft, q_draft = draft[:, : q_len - 1], q_draft[:, : q_len - 1]
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
@@ -198,7 +218,7 @@ class LLMEngine:
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
         step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
-        accepted, next_tokens = self._accept(batch, out.logits, draft, q_draft, lengths)
+        accepted, next_tokens = self._accept(sampling, out.logits, draft, q_draft, lengths)
         kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
         self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist(), strict=False)})
         spec.advance(slots, spec.features(out.hidden), kept)
@@ -215,35 +235,26 @@ class LLMEngine:
             req.counters["verify_steps"] = req.counters.get("verify_steps", 0.0) + 1
             self._append_tokens(req, row[:n] + [nxt], updates)
 
-    def _accept(self, batch: list[Request], logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor,
+    @staticmethod
+    def _accept(sampling: BatchSampling, logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor,
                 lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy rows: prefix match. Sampled rows: rejection sampling against the drafts' proposal law ``q``."""
         accepted, next_tokens = greedy_accept(logits, draft, lengths)
-        temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=logits.device)
-        sampled = temperature > 0
+        sampled = sampling.temperature > 0
         if not bool(sampled.any()):
             return accepted, next_tokens
         b, q, v = logits.shape
-        top_k = torch.tensor([r.params.top_k for r in batch], dtype=torch.int64, device=logits.device)
-        top_p = torch.tensor([r.params.top_p for r in batch], dtype=torch.float64, device=logits.device)
-        p = filtered_probs(logits.reshape(b * q, v), temperature.repeat_interleave(q), top_k.repeat_interleave(q),
-                           top_p.repeat_interleave(q)).view(b, q, v)
-        seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64, device=logits.device)
-        counters = torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=logits.device)
-        steps = counters.unsqueeze(1) + torch.arange(q - 1, device=logits.device)
-        u_accept = uniform(seeds.unsqueeze(1).expand_as(steps), steps, stream=1)
-        u_next = uniform(seeds, counters, stream=2)
+        p = filtered_probs(logits.reshape(b * q, v), sampling.temperature.repeat_interleave(q),
+                           sampling.top_k.repeat_interleave(q), sampling.top_p.repeat_interleave(q)).view(b, q, v)
+        steps = sampling.counters.unsqueeze(1) + torch.arange(q - 1, device=logits.device)
+        u_accept = uniform(sampling.seeds.unsqueeze(1).expand_as(steps), steps, stream=1)
+        u_next = uniform(sampling.seeds, sampling.counters, stream=2)
         s_acc, s_next = rejection_accept(p, draft, q_draft, lengths, u_accept, u_next)
         return torch.where(sampled, s_acc, accepted), torch.where(sampled, s_next, next_tokens)
 
-    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
-        dev = logits.device
-        temperature = torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=dev)
-        top_k = torch.tensor([r.params.top_k for r in batch], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([r.params.top_p for r in batch], dtype=torch.float64, device=dev)
-        seeds = torch.tensor([r.seed for r in batch], dtype=torch.int64, device=dev)
-        counters = torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=dev)
-        return sample(logits, temperature, top_k, top_p, seeds, counters).tolist()
+    @staticmethod
+    def _sample(batch: list[Request], logits: torch.Tensor) -> list[int]:
+        return sample(logits, *BatchSampling.of(batch, logits.device)).tolist()
 
     def _append_tokens(self, req: Request, tokens: list[int], updates: list[RequestUpdate]) -> None:
         """Append accepted tokens, stopping at a stop token or the length limit."""
