@@ -38,6 +38,7 @@ class EngineConfig:
     dspark_busy_batch: int = 8  # DSpark: a batch at least this large counts as busy
     dspark_min_confidence: float = 0.0  # DSpark: verify only the draft prefix this likely to be accepted …
     dspark_busy_confidence: float = 0.3  # … or this likely when the batch is busy (load-aware shortening)
+    fault_injection: str = ""  # drills and tests only: "site@n,…" (see engine/faults.py); "" = off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -92,6 +92,14 @@ class DenseKVManager:
             s.length += keep
         self._step = None
 
+    def abort_step(self) -> None:
+        """Roll back the open step: every provisional row is dropped."""
+        if self._step is not None:
+            self.end_step(dict.fromkeys(self._step[0], 0))
+
+    def owners_of(self, ticket: object) -> list[str]:
+        return []  # the dense store issues no copies
+
     def release(self, request_id: str) -> None:
         self.stores.pop(request_id, None)
 

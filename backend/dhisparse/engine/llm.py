@@ -83,7 +83,7 @@ class LLM:
         for i in ids:
             req = self.engine.pop_finished(i)
             outputs.append(RequestOutput(i, req.prompt_token_ids, list(req.output_token_ids), req.finish_reason,
-                                         self.engine.request_stats(req)))
+                                         self.engine.request_stats(req), req.error))
         return outputs
 
     def generate_stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None

@@ -6,15 +6,18 @@ import collections
 import itertools
 import time
 import zlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.faults import FaultInjector, FaultyStepKV
 from dhisparse.engine.kv_factory import make_kv_manager
 from dhisparse.engine.request import Request, RequestUpdate, Status
 from dhisparse.engine.sampling import SamplingParams, filtered_probs, sample, seed_to_int64, uniform
-from dhisparse.errors import InvalidRequestError
+from dhisparse.errors import EngineDeadError, InvalidRequestError
+from dhisparse.kv.copies import CopyError
 from dhisparse.model.model import DSAModel
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.speculator import Speculator
@@ -49,6 +52,13 @@ class LLMEngine:
     has room, prefilling each (chunked) and sampling its first token, then (2) runs one batched decode step
     for every running request. A request that cannot be admitted stays queued; requests join and leave the
     batch at step boundaries.
+
+    Faults: an exception in a request's prefill ends that request; one in the decode or verification step
+    (forward, drafter proposal, KV gather) rolls the open KV step back and ends the step's requests; a failed
+    KV copy ends the requests whose memory it touched (the others of an interrupted step simply redo it next
+    step, with unchanged output). Ended requests finish with reason ``"error"`` and a message, and their tiers
+    are freed under the usual rules. If the KV invariants do not hold after that, the engine is *dead*:
+    every request ends with an error, and ``step``/``add_request`` raise :class:`EngineDeadError`.
     """
 
     def __init__(self, model: DSAModel, cfg: EngineConfig, speculator: Speculator | None = None) -> None:
@@ -74,10 +84,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.counters: collections.Counter[str] = collections.Counter()
+        self.faults = FaultInjector(cfg.fault_injection)
+        if self.faults.enabled and hasattr(self.kv, "copies"):
+            self.kv.copies.fault_hook = self.faults.copy_hook
+        self._fault_layer = mcfg.num_hidden_layers // 2
+        self.dead: str | None = None  # why the engine stopped (None: serving)
 
     # ------------------------------------------------------------------------------------------- requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` with a clear message if the request can never be served."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is stopped: {self.dead}")
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         if len(prompt_token_ids) == 0:
@@ -130,10 +147,6 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return False
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-            if req.counters.get("waited"):
-                self.kv.release(req.request_id)  # the manager queued it when try_admit said no
         self._finish(req, "abort")
         self.counters["requests_aborted"] += 1
         return True
@@ -150,13 +163,64 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestUpdate]:
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is stopped: {self.dead}")
         updates: list[RequestUpdate] = []
-        self.kv.poll()
-        self._admit_and_prefill(updates)
-        if self.running:
-            self._decode(updates)
+        try:
+            self._guarded(self.kv.poll, [], updates)
+            self._admit_and_prefill(updates)
+            if self.running:
+                self._guarded(lambda: self._decode(updates), list(self.running), updates)
+        except Exception as exc:  # recovery itself failed: the engine cannot go on
+            self._die(f"{type(exc).__name__}: {exc}", updates)
         self.counters["steps"] += 1
         return updates
+
+    # ---------------------------------------------------------------------------------------------- faults
+    def _guarded(self, work: Callable[[], None], requests: list[Request], updates: list[RequestUpdate]) -> bool:
+        """Run ``work``; on an exception end the requests it touched (see the class docstring)."""
+        try:
+            work()
+            return True
+        except Exception as exc:
+            self._fail(exc, requests, updates)
+            return False
+
+    def _fail(self, exc: BaseException, requests: list[Request], updates: list[RequestUpdate]) -> None:
+        self.counters["step_faults"] += 1
+        if isinstance(exc, CopyError):  # owners first: a step's fetch belongs to the step's requests
+            owners = set(self.kv.owners_of(exc.ticket))
+            requests = [self.requests[rid] for rid in sorted(owners) if rid in self.requests]
+        self.kv.abort_step()  # no-op when no step is open
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        for req in requests:
+            if req.status is not Status.FINISHED:
+                self._end_with_error(req, message, updates)
+        self.kv.check_invariants()  # raises into step(): the engine dies
+
+    def _end_with_error(self, req: Request, message: str, updates: list[RequestUpdate]) -> None:
+        self._finish(req, "error", message)
+        self.counters["requests_failed"] += 1
+        updates.append(RequestUpdate(req.request_id, [], True, "error", self.request_stats(req), message))
+
+    def _die(self, reason: str, updates: list[RequestUpdate]) -> None:
+        """Invariants could not be restored: end every request with an error and refuse all further work."""
+        self.dead = reason
+        message = f"the engine stopped after a fault it could not recover from: {reason}"
+        for req in [*self.waiting, *self.running]:
+            req.finish_reason, req.error, req.status = "error", message, Status.FINISHED
+            req.finish_time = time.perf_counter()
+            updates.append(RequestUpdate(req.request_id, [], True, "error", {}, message))
+        self.counters["requests_failed"] += len(self.waiting) + len(self.running)
+        self.waiting.clear()
+        self.running.clear()
+
+    def _break_invariants(self) -> None:
+        """Fault injection ``break_invariants``: corrupt the pool's byte accounting, then fail the step."""
+        pool = getattr(self.kv, "pool", None)
+        if pool is not None:
+            pool.required_bytes += 1
+        raise RuntimeError("injected fault at break_invariants (pool accounting corrupted)")
 
     def _admit_and_prefill(self, updates: list[RequestUpdate]) -> None:
         prefilled = 0
@@ -164,27 +228,42 @@ class LLMEngine:
             req = self.waiting[0]
             if prefilled and prefilled + req.prompt_len > self.cfg.max_prefill_tokens_per_step:
                 break
-            if not self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens):
+            try:
+                admitted = self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens)
+            except Exception as exc:  # a copy it completed failed (its owners end), or this request is at fault
+                self._fail(exc, [req], updates)
+                continue
+            if not admitted:
                 if not req.counters.get("waited"):
                     req.counters["waited"] = 1.0
                     self.counters["admissions_waited"] += 1
                 break
             self.waiting.popleft()
+            req.kv_admitted = True
             req.admitted_time = time.perf_counter()
             req.status = Status.RUNNING
-            out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens,
-                                     capture_hidden=self.spec.layers if self.spec else ())
-            self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
-            if self.spec is not None:
-                req.spec_state = self.spec.start(self.spec.features(out.hidden))
-            req.num_computed = req.prompt_len
-            prefilled += req.prompt_len
-            self.counters["prefill_tokens"] += req.prompt_len
             self.running.append(req)
-            token = self._sample([req], out.logits.unsqueeze(0))[0]
-            self._append_tokens(req, [token], updates)
+            prefilled += req.prompt_len
+            self._guarded(lambda req=req: self._prefill(req, updates), [req], updates)
+
+    def _prefill(self, req: Request, updates: list[RequestUpdate]) -> None:
+        out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens,
+                                 capture_hidden=self.spec.layers if self.spec else (),
+                                 on_chunk=self._prefill_chunk_hook)
+        self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
+        if self.spec is not None:
+            req.spec_state = self.spec.start(self.spec.features(out.hidden))
+        token = self._sample([req], out.logits.unsqueeze(0))[0]
+        req.num_computed = req.prompt_len
+        self.counters["prefill_tokens"] += req.prompt_len
+        self._append_tokens(req, [token], updates)
+
+    def _prefill_chunk_hook(self, start: int) -> None:
+        self.faults.hit("prefill_chunk")
 
     def _decode(self, updates: list[RequestUpdate]) -> None:
+        if self.faults.fires("break_invariants"):
+            self._break_invariants()
         if self.spec is not None:
             self._speculative_decode(updates)
             return
@@ -192,7 +271,7 @@ class LLMEngine:
         dev = self.model.device
         ids = torch.tensor([[r.last_token] for r in batch], dtype=torch.int64, device=dev)
         positions = torch.tensor([[r.num_computed] for r in batch], dtype=torch.int64, device=dev)
-        step_kv = self.kv.begin_step([r.request_id for r in batch], 1)
+        step_kv = self._faulty(self.kv.begin_step([r.request_id for r in batch], 1), "decode_forward")
         out = self.model.forward(ids, positions, step_kv)
         self.kv.end_step({r.request_id: 1 for r in batch})
         tokens = self._sample(batch, out.logits[:, -1])
@@ -209,6 +288,7 @@ class LLMEngine:
         slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
         sampling = BatchSampling.of(batch, dev)
+        self.faults.hit("draft_propose")
         draft, q_draft, lengths, _ = spec.propose(slots, last, len(batch), sampling.temperature, sampling.seeds,
                                                   sampling.counters)
         q_len = int(lengths.max()) + 1  # every request verifies its own `lengths[b]`; the batch pads to the max
@@ -217,6 +297,7 @@ class LLMEngine:
         base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
         step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
+        step_kv = self._faulty(step_kv, "verify_forward")
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
         accepted, next_tokens = self._accept(sampling, out.logits, draft, q_draft, lengths)
         kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
@@ -234,6 +315,9 @@ class LLMEngine:
             req.counters["draft_tokens_accepted"] = req.counters.get("draft_tokens_accepted", 0.0) + n
             req.counters["verify_steps"] = req.counters.get("verify_steps", 0.0) + 1
             self._append_tokens(req, row[:n] + [nxt], updates)
+
+    def _faulty(self, step_kv: object, site: str) -> object:
+        return FaultyStepKV(step_kv, self.faults, site, self._fault_layer) if self.faults.enabled else step_kv
 
     @staticmethod
     def _accept(sampling: BatchSampling, logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor,
@@ -280,16 +364,22 @@ class LLMEngine:
         updates.append(RequestUpdate(req.request_id, new, reason is not None, reason,
                                      self.request_stats(req) if reason is not None else {}))
 
-    def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        req.finish_reason, req.error = reason, error
         req.finish_time = time.perf_counter()
-        req.counters.update(self.kv.request_stats(req.request_id) if req.status is Status.RUNNING else {})
-        if req.status is Status.RUNNING:
+        if req.status is Status.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+            if req.counters.get("waited") and not req.kv_admitted:
+                self.kv.release(req.request_id)  # the manager queued it when try_admit said no
+        if req in self.running:
             self.running.remove(req)
+        if req.kv_admitted:
+            req.counters.update(self.kv.request_stats(req.request_id))
+            req.kv_admitted = False
             self.kv.release(req.request_id)
-            if self.spec is not None and req.spec_state is not None:
-                self.spec.release(req.spec_state)
-                req.spec_state = None
+        if self.spec is not None and req.spec_state is not None:
+            self.spec.release(req.spec_state)
+            req.spec_state = None
         req.status = Status.FINISHED
         self.counters["requests_finished"] += 1
 
@@ -301,6 +391,7 @@ class LLMEngine:
         out = {k: float(v) for k, v in self.counters.items()}
         out["requests_waiting"] = float(len(self.waiting))
         out["requests_running"] = float(len(self.running))
+        out["engine_dead"] = float(self.dead is not None)
         out.update(self.kv.stats())
         if self.spec is not None:
             out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)

@@ -30,6 +30,8 @@ class Request:
     admitted_time: float | None = None
     finish_time: float | None = None
     spec_state: object | None = None  # drafter state when speculating
+    kv_admitted: bool = False  # the KV manager holds memory for it (try_admit said yes, not released yet)
+    error: str | None = None  # why it failed (finish_reason "error")
     counters: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -61,6 +63,7 @@ class RequestUpdate:
     finished: bool
     finish_reason: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # with finish_reason "error": what failed
 
 
 @dataclass
@@ -70,5 +73,6 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (see ``error``)
     stats: dict[str, float]
+    error: str | None = None

@@ -36,22 +36,39 @@ class CopyTicket:
     num_rows: int
     on_done: Callable[[], None] | None = None
     done: bool = False
+    error: BaseException | None = None  # the copy failed: it never becomes done and ``on_done`` never runs
     # CPU: the deferred operation; CUDA: completion event and tensors kept alive until then.
     _run: Callable[[], None] | None = field(default=None, repr=False)
     _event: object | None = field(default=None, repr=False)
     _finish: Callable[[], None] | None = field(default=None, repr=False)
 
 
+class CopyError(RuntimeError):
+    """A copy failed. ``ticket`` is the failed copy (``ticket.error`` the cause); it has left the queue, so the
+    copies behind it still complete. Its destination rows are undefined and its ``on_done`` never runs: the
+    owner of the memory it touched has to be ended (the engine fails that work's requests)."""
+
+    def __init__(self, ticket: CopyTicket) -> None:
+        super().__init__(f"{ticket.kind} copy #{ticket.ticket_id} of {ticket.num_rows} rows failed: {ticket.error!r}")
+        self.ticket = ticket
+
+
 class CopyEngine:
-    """Issues row copies between tiers and completes them at defined points (see module docstring)."""
+    """Issues row copies between tiers and completes them at defined points (see module docstring).
+
+    A copy that raises while completing is marked failed and raises :class:`CopyError` from the ``poll`` /
+    ``wait`` / ``wait_all`` that completed it; a failed ticket is not live (its owner may be freed).
+    ``fault_hook(kind)``, when set, is called before each copy completes (fault injection)."""
 
     def __init__(self, device: torch.device) -> None:
+        self.fault_hook: Callable[[str], None] | None = None
         self.device = device
         self.is_cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self._pending: deque[CopyTicket] = deque()
         self._next_id = 0
         self.rows_copied: dict[str, int] = {}
+        self.copies_failed = 0
 
     @property
     def num_pending(self) -> int:
@@ -114,12 +131,20 @@ class CopyEngine:
         ticket._event = (event, keep)
 
     def _complete(self, ticket: CopyTicket) -> None:
-        if ticket._run is not None:
-            ticket._run()
-        elif ticket._event is not None:
-            ticket._event[0].synchronize()  # type: ignore[index]
-            if ticket._finish is not None:
-                ticket._finish()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(ticket.kind)
+            if ticket._run is not None:
+                ticket._run()
+            elif ticket._event is not None:
+                ticket._event[0].synchronize()  # type: ignore[index]
+                if ticket._finish is not None:
+                    ticket._finish()
+        except Exception as exc:
+            ticket.error = exc
+            ticket._run = ticket._event = ticket._finish = None
+            self.copies_failed += 1
+            raise CopyError(ticket) from exc
         ticket._run = ticket._event = ticket._finish = None
         ticket.done = True
         self.rows_copied[ticket.kind] = self.rows_copied.get(ticket.kind, 0) + ticket.num_rows
@@ -140,8 +165,11 @@ class CopyEngine:
         return count
 
     def wait(self, ticket: CopyTicket | None) -> None:
-        """Block until ``ticket`` is done; every copy issued before it completes as well."""
+        """Block until ``ticket`` is done; every copy issued before it completes as well. Raises
+        :class:`CopyError` if a copy completed here fails, or if ``ticket`` has failed before."""
         while ticket is not None and not ticket.done:
+            if ticket.error is not None:
+                raise CopyError(ticket)
             self._complete(self._pending.popleft())
 
     def wait_all(self) -> None:

@@ -27,7 +27,7 @@ import torch
 
 from dhisparse.kv import residency
 from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
-from dhisparse.kv.copies import CopyEngine, ReaderFence
+from dhisparse.kv.copies import CopyEngine, CopyError, CopyTicket, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
 from dhisparse.kv.host_store import HostStore
@@ -204,11 +204,16 @@ class KVManager:
         for req in reqs:
             if not req.imported:
                 raise ValueError(f"request {req.request_id!r} has no imported prompt yet")
-            last = req.length + query_len - 1
-            if last >= req.footprint.capacity_rows:
+            if req.length + query_len - 1 >= req.footprint.capacity_rows:
                 raise ValueError(f"request {req.request_id!r} would exceed prompt_len + max_new_tokens")
-            self.copies.wait(req.import_ticket)
-            map_tail_pages(req, last, self.config.page_rows, self.copies, self.fence)
+        try:
+            for req in reqs:
+                self.copies.wait(req.import_ticket)
+                map_tail_pages(req, req.length + query_len - 1, self.config.page_rows, self.copies, self.fence)
+        except Exception:
+            for req in reqs:  # a failed copy: no step opens, so no page past a request's length stays mapped
+                unmap_rejected(req, req.length + query_len, self.config.page_rows)
+            raise
         self.fence.begin()
         self._steps += 1
         self.step = StepKV(self, reqs, query_len, stamp=self._steps)
@@ -249,6 +254,40 @@ class KVManager:
         self.fence.end()
         self.counters["steps"] += 1
         self.counters["resolver_calls"] += step.resolver_calls
+
+    def abort_step(self) -> None:
+        """Roll back the open step after a fault in its forward: every provisional row is dropped (as if each
+        request accepted 0 rows), no statistic is counted, nothing is backed up. The hot caches keep their
+        state from before the step except the slots this step refilled (their rows changed): those are
+        emptied. The step's fetches are completed first (a failed one is dropped), so no copy into a slot
+        outlives the step. Requests stay admitted; the caller releases the ones that failed."""
+        step = self.step
+        if step is None:
+            return
+        try:
+            step.wait_fetches()
+        except CopyError:
+            pass  # the failed copy has left the queue; the slots it targeted are emptied below
+        for b, req in enumerate(step.requests):
+            start = req.length
+            for keys in req.index_keys.values():
+                keys[start : start + step.query_len] = 0
+            unmap_rejected(req, start + step.query_len, self.config.page_rows)
+            changed = step.hot_pos[b] != req.hot_pos
+            req.hot_pos.masked_fill_(changed, -1)
+            req.hot_stamp.masked_fill_(changed, 0)
+        step.closed = True
+        self.step = None
+        self.fence.end()
+        self.counters["steps_aborted"] += 1
+
+    def owners_of(self, ticket: CopyTicket) -> list[str]:
+        """Running requests whose memory a (failed) copy touched: the owner of an import, backup or refill, or
+        every request of the open step for its row fetches. Empty for a released request's copies."""
+        owners = [rid for rid, r in self.requests.items() if any(t is ticket for t in r.tickets)]
+        if not owners and self.step is not None and ticket.kind == "fetch":
+            owners = [r.request_id for r in self.step.requests]
+        return owners
 
     # ---------------------------------------------------------------------------------------- progress
     def poll(self) -> None:
@@ -331,6 +370,7 @@ class KVManager:
         out["requests_waiting"] = float(len(self.waiting))
         out["requests_releasing"] = float(len(self.releasing))
         out["copies_pending"] = float(self.copies.num_pending)
+        out["copies_failed"] = float(self.copies.copies_failed)
         out["host_pages_used"] = float(self.host.used_pages)
         return {f"kv_{name}": value for name, value in out.items()}
 

@@ -78,7 +78,7 @@ class RequestKV:
         return self.tail_ring.shape[1]
 
     def live_tickets(self) -> list[CopyTicket]:
-        self.tickets = [t for t in self.tickets if not t.done]
+        self.tickets = [t for t in self.tickets if not t.done and t.error is None]
         return self.tickets
 
     def add_stat(self, name: str, value: float) -> None:

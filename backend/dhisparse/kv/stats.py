@@ -7,6 +7,7 @@ from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
 # Cumulative engine-wide counters kept by the manager (stats() adds the gauges below).
 ENGINE_COUNTERS = (
     "steps",  # end_step calls
+    "steps_aborted",  # abort_step calls (a fault in the step's forward rolled it back)
     "rows_direct",  # distinct selected rows resolved at step 1 (tail or ready optional page)
     "rows_hot",  # ... at step 2 (hot cache hit)
     "rows_host",  # ... at step 3 (copied from host) == host-fetched rows
