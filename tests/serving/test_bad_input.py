@@ -29,6 +29,11 @@ CASES = [
     ("dhisparse", {"input_ids": [5, 100000, 7], "request_output_len": 4}, "outside the vocabulary"),
     ("dhisparse", {"input_ids": [5, -1], "request_output_len": 4}, "outside the vocabulary"),
     ("dhisparse", {"request_output_len": 4}, "input_ids is missing"),
+    # Missing required inputs, every model: the error names the input.
+    ("ensemble", {"text_input": "To be"}, "max_tokens"),
+    ("dhisparse_bls", {"max_tokens": 4}, "text_input"),
+    ("dhisparse_bls", {"text_input": "To be"}, "max_tokens"),
+    ("dhisparse", {"input_ids": [5, 6]}, "request_output_len"),
     ("dhisparse", {"input_ids": [5, 6], "input_lengths": 9, "request_output_len": 4}, "input_lengths 9"),
 ]
 
@@ -64,6 +69,15 @@ def test_wrong_dtype_and_unknown_input_are_refused_by_triton(served):
     unknown.set_data_from_numpy(np.array([[1]], dtype=np.int32))
     with pytest.raises(GenerationError, match="no_such_input"):
         list(client.stream_inputs("ensemble", [text, unknown], "text_output"))
+    _good_request_succeeds(served)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "dhisparse_bls"])
+@pytest.mark.parametrize(("body", "missing"),
+                         [({"max_tokens": 4}, "text_input"), ({"text_input": "To be"}, "max_tokens")])
+def test_http_generate_names_a_missing_input(served, model, body, missing):
+    with pytest.raises(GenerationError, match=missing):
+        served.client()._post(f"/v2/models/{model}/generate", body)
     _good_request_succeeds(served)
 
 

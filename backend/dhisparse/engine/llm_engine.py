@@ -88,13 +88,13 @@ class LLMEngine:
         if self.faults.enabled and hasattr(self.kv, "copies"):
             self.kv.copies.fault_hook = self.faults.copy_hook
         self._fault_layer = mcfg.num_hidden_layers // 2
-        self.dead: str | None = None  # why the engine stopped (None: serving)
+        self.dead: str | None = None  # why the engine stopped, a message for clients (None: serving)
 
     # ------------------------------------------------------------------------------------------- requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ``InvalidRequestError`` with a clear message if the request can never be served."""
         if self.dead is not None:
-            raise EngineDeadError(f"the engine is stopped: {self.dead}")
+            raise EngineDeadError(self.dead)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("params must be a SamplingParams")
         if len(prompt_token_ids) == 0:
@@ -142,13 +142,17 @@ class LLMEngine:
         self.counters["requests_added"] += 1
         return request_id
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request wherever it is and free everything it holds. Returns False if unknown/finished."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a request wherever it is and free everything it holds. Returns False if unknown/finished.
+        ``reason`` ``"stop"`` ends it as finished (a caller-side stop sequence matched), not aborted."""
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"abort reason must be 'abort' or 'stop', got {reason!r}")
         req = self.requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return False
-        self._finish(req, "abort")
-        self.counters["requests_aborted"] += 1
+        self._finish(req, reason)
+        if reason == "abort":
+            self.counters["requests_aborted"] += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -164,7 +168,7 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestUpdate]:
         if self.dead is not None:
-            raise EngineDeadError(f"the engine is stopped: {self.dead}")
+            raise EngineDeadError(self.dead)
         updates: list[RequestUpdate] = []
         try:
             self._guarded(self.kv.poll, [], updates)
@@ -205,8 +209,7 @@ class LLMEngine:
 
     def _die(self, reason: str, updates: list[RequestUpdate]) -> None:
         """Invariants could not be restored: end every request with an error and refuse all further work."""
-        self.dead = reason
-        message = f"the engine stopped after a fault it could not recover from: {reason}"
+        message = self.dead = f"the engine stopped after a fault it could not recover from: {reason}"
         for req in [*self.waiting, *self.running]:
             req.finish_reason, req.error, req.status = "error", message, Status.FINISHED
             req.finish_time = time.perf_counter()

@@ -93,8 +93,11 @@ class EngineLoop:
         self._wake.set()
         return stream
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request wherever it is (queued, waiting for admission, running) and free all it holds. Its
+        stream ends with a finishing update of ``reason``: ``"abort"`` (a cancelled request) or ``"stop"``
+        (the caller matched a stop sequence: the request counts as finished, not aborted)."""
+        self._inbox.put(("cancel", request_id, reason))
         self._wake.set()
 
     def stats(self) -> dict[str, float]:
@@ -128,10 +131,10 @@ class EngineLoop:
                 except Exception as exc:
                     self._close_stream(rid, exc)
             else:
-                rid = msg[1]
-                if self.engine.abort_request(rid):
+                _, rid, reason = msg
+                if self.engine.abort_request(rid, reason):
                     self.engine.pop_finished(rid)
-                    self._close_stream(rid, None, RequestUpdate(rid, [], True, "abort"))
+                    self._close_stream(rid, None, RequestUpdate(rid, [], True, reason))
 
     def _close_stream(self, rid: str, error: BaseException | None, update: RequestUpdate | None = None) -> None:
         with self._lock:

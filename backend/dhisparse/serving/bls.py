@@ -93,12 +93,29 @@ class BLSService:
         self._llm_model, self._add_special_tokens = llm_model, add_special_tokens
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        self.cancel_poll_s = 0.1  # how often a request's cancellation is polled while no token arrives
 
     def start(self, request: Any) -> None:
         """Read the request's tensors now (they live only during execute) and respond from a thread."""
         sender = request.get_response_sender()
-        inputs = request_arrays(self._pb, request, ENSEMBLE_INPUTS)
+        try:
+            inputs = request_arrays(self._pb, request, ENSEMBLE_INPUTS)
+        except Exception as error:
+            sender.send(error_response(self._pb, error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         threading.Thread(target=self._run, args=(inputs, sender), daemon=True).start()
+
+    def _watch_cancellation(self, sender: Any, request_id: str, finished: threading.Event,
+                            cancelled: threading.Event, lock: threading.Lock) -> None:
+        """Poll the client's cancellation while no token arrives (waiting for admission, prefill) and pass it
+        on to the engine. ``lock`` is held by the final send: ``is_cancelled`` after it crashes Triton 2.51."""
+        while not finished.wait(self.cancel_poll_s):
+            with lock:
+                if finished.is_set() or cancelled.is_set() or not sender.is_cancelled():
+                    continue
+                cancelled.set()
+            self._cancel(request_id)
+            return
 
     def _llm_request(self, arrays: dict[str, np.ndarray], request_id: str) -> Any:
         tensors = [self._pb.Tensor(name, value) for name, value in arrays.items()]
@@ -116,24 +133,39 @@ class BLSService:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         try:
             arrays = llm_inputs(self._tokenizer, inputs, self._add_special_tokens)
-        except ValueError as error:
+        except Exception as error:
             sender.send(error_response(self._pb, error), flags=final)
             return
         streaming = bool(arrays.get("streaming", np.array([[False]])).reshape(-1)[0])
         request_id = f"bls-{self._prefix}-{next(self._ids)}"
-        decoder, text, cancelled = TextDecoder(self._token_bytes), [], False
+        finished, cancelled, lock = threading.Event(), threading.Event(), threading.Lock()
+        threading.Thread(target=self._watch_cancellation, args=(sender, request_id, finished, cancelled, lock),
+                         daemon=True).start()
+
+        def send_final(payload: Any) -> None:
+            with lock:
+                finished.set()
+                if payload is None:
+                    sender.send(flags=final)
+                else:
+                    sender.send(payload, flags=final)
+
+        decoder, text = TextDecoder(self._token_bytes), []
         try:
             for inner in self._llm_request(arrays, request_id).exec(decoupled=True):
                 if inner.has_error():
-                    if not cancelled:
-                        sender.send(error_response(self._pb, RuntimeError(inner.error().message())), flags=final)
+                    if not cancelled.is_set():
+                        send_final(error_response(self._pb, RuntimeError(inner.error().message())))
                         return
                     continue
-                if not cancelled and sender.is_cancelled():
-                    cancelled = True
-                    self._cancel(request_id)
+                if not cancelled.is_set():
+                    with lock:
+                        newly = sender.is_cancelled()
+                    if newly:
+                        cancelled.set()
+                        self._cancel(request_id)
                 output = self._pb.get_output_tensor_by_name(inner, "output_ids")
-                if cancelled or output is None:
+                if cancelled.is_set() or output is None:
                     continue
                 length = int(self._pb.get_output_tensor_by_name(inner, "sequence_length").as_numpy().reshape(-1)[0])
                 chunk = decoder.feed(output.as_numpy().reshape(-1)[:length])
@@ -141,15 +173,16 @@ class BLSService:
                     sender.send(response(self._pb, {"text_output": np.array([[chunk.encode()]], dtype=object)}))
                 else:
                     text.append(chunk)
-            if cancelled:
-                sender.send(error_response(self._pb, self._pb.TritonError(
-                    "request cancelled by the client", self._pb.TritonError.CANCELLED)), flags=final)
+            if cancelled.is_set():
+                send_final(error_response(self._pb, self._pb.TritonError(
+                    "request cancelled by the client", self._pb.TritonError.CANCELLED)))
                 return
             text.append(decoder.flush())
             body = "".join(text)
             if streaming and not body:
-                sender.send(flags=final)
+                send_final(None)
             else:
-                sender.send(response(self._pb, {"text_output": np.array([[body.encode()]], dtype=object)}), flags=final)
+                send_final(response(self._pb, {"text_output": np.array([[body.encode()]], dtype=object)}))
         except Exception as error:
-            sender.send(error_response(self._pb, RuntimeError(f"request failed: {error}")), flags=final)
+            if not finished.is_set():
+                send_final(error_response(self._pb, RuntimeError(f"request failed: {error}")))

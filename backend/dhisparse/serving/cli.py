@@ -2,7 +2,8 @@
 
 Prepares the Python backend directory and a model repository filled for the engine (in `--model-repo`,
 or a temporary directory removed at exit), starts `tritonserver` bound to `--address` (loopback by
-default), prints one `ready` line, and on SIGINT/SIGTERM stops the server cleanly.
+default), prints one `ready` line, and on SIGINT/SIGTERM stops the server cleanly. If the engine stops after a
+fault it cannot recover from (the `dhisparse` model turns not-ready), it stops the server and exits with code 3.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from dhisparse.serving.repository import RepositorySpec, fill_model_repository, parse_override
 from dhisparse.serving.server import ServerConfig, ServerStartError, TritonServer, free_ports
 from dhisparse.serving.triton_install import TritonInstall, TritonNotInstalledError, prepare_backend_dir
+
+LLM_MODEL = "dhisparse"  # the model that runs the engine; its readiness is the engine's
 
 # Runtime options with their own flags (everything else: --engine-option KEY=VALUE).
 _ENGINE_FLAGS = (
@@ -106,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
                 code = server.stop()
                 print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)
                 return 1
+            if not server.model_ready(LLM_MODEL) and not stop.is_set() and server.poll() is None:
+                # The engine stopped after a fault it could not recover from: its clients have their errors and
+                # the model unloaded itself. Stop the server so that its health endpoint stops answering ready
+                # too (Triton 2.51 counts only loaded models), and exit non-zero for the supervisor to restart us.
+                print(f"dhisparse-serve: error: model {LLM_MODEL!r} is no longer ready (its engine stopped after "
+                      "a fault; see the server log); stopping tritonserver", file=sys.stderr, flush=True)
+                server.stop()
+                return 3
         code = server.stop()
         print(f"dhisparse-serve: stopped (tritonserver exit code {code})", flush=True)
         return 0

@@ -8,14 +8,16 @@ sequences are matched here and end the request early (the engine request is canc
 
 The supervisor thread wakes every `interval_s` to (1) poll each open request's `is_cancelled()` (a
 client that cancels or disconnects) and cancel it in the loop, which frees all its KV memory, and
-(2) copy `EngineLoop.stats()` into the custom metrics. Both touch Triton from this one thread only.
+(2) copy `EngineLoop.stats()` into the custom metrics, (3) notice an engine that stopped after a fault it could
+not recover from (its clients already have their errors) and call `on_engine_dead` once: the Triton model then
+unloads itself so that its readiness turns false. All touch Triton from this one thread only.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dhisparse.engine.loop import EngineLoop
@@ -35,8 +37,11 @@ class LLMService:
         interval_s: supervisor period (cancellation latency and metrics freshness), seconds.
     """
 
-    def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25) -> None:
+    def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25,
+                 on_engine_dead: Callable[[str], None] | None = None) -> None:
         self._pb = pb
+        self._on_engine_dead = on_engine_dead
+        self._dead_reported = False
         self.loop = loop
         self._metrics = metrics
         self._interval_s = interval_s
@@ -96,6 +101,7 @@ class LLMService:
         matcher = StopSequenceMatcher(request.stop_sequences)
         collected: list[int] = []
         done = False  # the client has its final response (or is gone)
+        sent_any = False  # a streamed response went out already
         try:
             for update in stream:
                 if done:
@@ -106,7 +112,7 @@ class LLMService:
                 if keep is not None:
                     tokens, finished = tokens[:keep], True
                     if not update.finished:
-                        self.loop.cancel(request_id)
+                        self.loop.cancel(request_id, reason="stop")  # finished by a stop sequence
                 if self._was_cancelled(request_id):
                     # Flags only: an error-carrying final response sent from this thread after earlier
                     # streamed ones never reaches a BLS caller on Triton 2.51 (its stream stalls).
@@ -116,23 +122,34 @@ class LLMService:
                 collected.extend(tokens)
                 if request.streaming and (tokens or finished):
                     self._send(sender, output_arrays(tokens) if tokens else None, final=finished)
-                    done = finished
+                    done, sent_any = finished, True
                 elif finished:
                     self._send(sender, output_arrays(collected), final=True)
                     done = True
             if not done:  # the stream ended without a finishing update (loop shut down)
                 error = self._cancelled_error() if self._was_cancelled(request_id) else RuntimeError(
                     "the engine loop stopped before the request finished")
-                self._send(sender, error, final=True)
+                self._send_error(sender, error, sent_any)
         except Exception as error:
             if not done:
-                self._send(sender, RuntimeError(f"request failed: {error}"), final=True)
+                failure = RuntimeError(f"request failed: {error}")
+                self._send_error(sender, failure, sent_any)
         finally:
             with self._lock:
                 self._active.pop(request_id, None)
                 self._cancelled.discard(request_id)
                 for client_id in [c for c, r in self._by_client_id.items() if r == request_id]:
                     del self._by_client_id[client_id]
+
+    def _send_error(self, sender: Any, error: BaseException | Any, sent_any: bool) -> None:
+        """The final error of a request. After streamed responses, an error-carrying *final* response never
+        reaches a BLS caller on Triton 2.51 (its stream stalls): then the error goes first, a flags-only final
+        after it."""
+        if sent_any:
+            self._send(sender, error, final=False)
+            self._send(sender, None, final=True)
+        else:
+            self._send(sender, error, final=True)
 
     def cancel_client(self, client_id: str) -> bool:
         """Cancel the open request started with `client_id`; False when there is none."""
@@ -166,6 +183,10 @@ class LLMService:
                 self.loop.cancel(request_id)
             if self._metrics is not None:
                 self._metrics.update(self.stats())
+            if not self.loop.alive and not self._dead_reported and not self._stop.is_set():
+                self._dead_reported = True  # every open stream has its error already (EngineLoop guarantees it)
+                if self._on_engine_dead is not None:
+                    self._on_engine_dead(str(self.loop.error or "the engine loop stopped"))
 
     def stats(self) -> dict[str, float]:
         """Engine statistics plus the serving layer's own counters."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -30,7 +31,21 @@ class TritonPythonModel:
         llm = LLM(parameters["engine_dir"], **overrides)
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
-        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s)
+        self.name = args["model_name"]
+        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s, on_engine_dead=self._engine_dead)
+
+    def _engine_dead(self, reason: str) -> None:
+        """The engine stopped (every client has its error): unload this model so its readiness turns false.
+        Needs explicit model control (dhisparse-serve runs Triton so); otherwise it keeps answering errors."""
+        pb_utils.Logger.log_error(f"{self.name}: the engine stopped, unloading the model: {reason}")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.name)
+            except Exception as error:
+                pb_utils.Logger.log_error(f"{self.name}: could not unload itself ({error}); it answers errors")
+
+        threading.Thread(target=unload, name="dhisparse-unload", daemon=True).start()
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -43,7 +58,7 @@ class TritonPythonModel:
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
                 self.service.start(self.requests.parse_llm_request(inputs), sender, request.request_id())
-            except ValueError as error:  # InvalidRequestError and SamplingParams' checks
+            except Exception as error:  # bad input (ValueError), a stopped engine, anything: an error, never silence
                 sender.send(self.tensors.error_response(pb_utils, error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         # Decoupled: responses go through each request's sender, execute returns nothing.
