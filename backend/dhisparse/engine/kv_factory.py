@@ -16,6 +16,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
     device = torch.device(cfg.device)
     if cfg.kv_policy == "dense":
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
+    from dhisparse.kernels.selection import select_kernels
     from dhisparse.kv import KVConfig, KVLayout, KVManager
 
     layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype)
@@ -26,7 +27,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         max_query_len=max_query_len,
         **({"extra_required_bytes": extra_required_bytes} if extra_required_bytes else {}),
     )
-    return KVManager(layout, kv_cfg, device)
+    return KVManager(layout, kv_cfg, device, kernels=select_kernels(cfg.kernels, device))
 
 
 def default_hot_rows(model_cfg: ModelConfig, max_query_len: int) -> int:
