@@ -15,6 +15,7 @@ import torch
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
+from dhisparse.errors import ConfigError
 from dhisparse.kernels import selection
 from dhisparse.kernels.selection import KernelSelection
 from dhisparse.kernels.torch_kernels import TorchKernels
@@ -97,3 +98,13 @@ def test_device_path_reports_a_hot_cache_overflow_when_the_copy_completes(tiny_e
     prompt = random_prompts([40], 96, seed=4)[0]
     with pytest.raises(HotCacheOverflowError, match="resolver kernel"):
         llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def test_the_engine_selects_torch_on_cpu_and_refuses_cuda_kernels(tiny_engine) -> None:
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    with pytest.raises(ConfigError, match=r"kernels='cuda' needs device='cuda'"):
+        LLM(engine_dir, kernels="cuda")
+    with pytest.raises(ConfigError, match=r"kernels='cuda'"):
+        LLM(engine_dir, kernels="cuda", kv_policy="dense")
+    stats = LLM(engine_dir, kv_policy="adaptive").stats()
+    assert stats["kv_kernels_cuda"] == 0.0 and stats["kv_kernels_fallback"] == 0.0

@@ -139,3 +139,53 @@ def test_sparse_mla_plan_grid_shared_memory_and_formats() -> None:
     bad = abi.pack_sparse_mla(q_lat[..., :96].contiguous(), q_pe, kv, loc, 0.05, out[..., :96].contiguous(),
                               abi.KV_FORMAT_FP8)
     assert abi.cpp_plan(abi.KIND_SPARSE_MLA, bad).status == -3  # FP8 rows need rank 512, rope 64
+
+
+needs_cuda_library = pytest.mark.skipif(
+    abi.cuda_library() is None, reason=f"CUDA kernel library not built ({abi.cuda_library_path()}); needs nvcc"
+)
+
+
+@needs_cuda_library
+def test_the_cuda_library_plans_exactly_like_the_contract() -> None:
+    """libdhisparse_cuda.so (the launchers Python and the plugins call) loads without a GPU; its host code
+    computes the same plans as the CPU library for every kind of launch."""
+    from dhisparse.kernels.cuda_kernels import CudaKernels
+
+    kernels = CudaKernels(abi.cuda_library(), torch.device("cpu"))
+    host, arena = torch.zeros(50, 576, dtype=torch.bfloat16), torch.zeros(70, 576, dtype=torch.bfloat16)
+    for batch in (1, 16, 17, 124, 125, 200):
+        src = torch.zeros(batch, 3, dtype=torch.int64)
+        args = abi.pack_row_copy(host, arena, src, src.clone())
+        got, want = kernels.plan(abi.KIND_ROW_COPY, args), abi.cpp_plan(abi.KIND_ROW_COPY, args)
+        assert bytes(got) == bytes(want) and got.grid_x == min(32, max(4, -(-batch // 4)))
+    (stamp, pos, table, hot_pos, hot_stamp, hot_loc), out = resolver_tensors(5, 300, 9, 700)
+    args = abi.pack_resolver(stamp, pos, table, hot_pos, hot_stamp, hot_loc, 64, out)
+    assert bytes(kernels.plan(abi.KIND_RESOLVER, args)) == bytes(abi.cpp_plan(abi.KIND_RESOLVER, args))
+    q = torch.zeros(3, 2, 9, 512)
+    loc = torch.zeros(3, 2, 7, dtype=torch.int64)
+    args = abi.pack_sparse_mla(q, torch.zeros(3, 2, 9, 64), torch.zeros(5, 576), loc, 0.1, q.clone())
+    assert bytes(kernels.plan(abi.KIND_SPARSE_MLA, args)) == bytes(abi.cpp_plan(abi.KIND_SPARSE_MLA, args))
+
+
+@needs_cuda_library
+def test_the_cuda_launchers_refuse_bad_arguments_before_touching_a_device() -> None:
+    import ctypes
+
+    from dhisparse.kernels.cuda_kernels import CudaKernels, KernelLaunchError
+
+    lib = abi.cuda_library()
+    src = torch.zeros(2, 3, dtype=torch.int64)
+    args = abi.pack_row_copy(torch.zeros(4, 8), torch.zeros(4, 8), src, src.clone())
+    args.index_bytes = 3
+    rc = lib.dhs_cuda_launch_row_copy(ctypes.byref(args), None)
+    assert lib.dhs_cuda_error_name(rc) == b"cudaErrorInvalidValue"
+    args.index_bytes, args.num_requests = 8, 0
+    assert lib.dhs_cuda_launch_row_copy(ctypes.byref(args), None) == 0  # empty: nothing launched
+    kernels = CudaKernels(lib, torch.device("cpu"))
+    with pytest.raises(KernelLaunchError, match="index_bytes must be 4 or 8"):
+        args.num_requests = 2
+        args.index_bytes = 2
+        kernels.plan(abi.KIND_ROW_COPY, args)
+    with pytest.raises(ValueError, match="pinned"):
+        kernels.copy_rows(torch.zeros(4, 8), torch.zeros(4, 8), src, src.clone())
