@@ -21,6 +21,7 @@ shared layers' rows are copied ahead on the copy stream while the current layer 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,19 @@ if TYPE_CHECKING:
     from dhisparse.kv.copies import CopyTicket
     from dhisparse.kv.manager import KVManager
     from dhisparse.kv.step import StepKV
+
+
+# Host page ids of each open step's requests on the device ([B, S, M]), moved once per step, not per source.
+_DEVICE_HOST_PAGES: weakref.WeakKeyDictionary[StepKV, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _device_host_pages(step: StepKV, device: torch.device) -> torch.Tensor:
+    pages = _DEVICE_HOST_PAGES.get(step)
+    if pages is None:
+        assert step.host_pages is not None
+        pages = step.host_pages.to(device, non_blocking=True)
+        _DEVICE_HOST_PAGES[step] = pages
+    return pages
 
 
 def resolve_on_device(step: StepKV, manager: KVManager, source: int, positions: torch.Tensor
@@ -56,7 +70,7 @@ def resolve_on_device(step: StepKV, manager: KVManager, source: int, positions: 
     )
     if step.host_pages is None:  # resident policy: every row is direct, nothing can miss
         return resolution, None
-    host_pages = step.host_pages[:, source].to(flat.device, non_blocking=True)  # [B, M] host page ids
+    host_pages = _device_host_pages(step, flat.device)[:, source]  # [B, M] host page ids
     wanted = out["copy_position"]
     valid = wanted >= 0
     safe = wanted.clamp(min=0)
