@@ -20,7 +20,7 @@ import torch
 
 from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _STATUS_HOT_CACHE_TOO_SMALL = 1
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"

@@ -14,6 +14,7 @@ from dhisparse.errors import ConfigError
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 KV_POLICIES = ("resident", "hisparse", "adaptive", "dense")
 SPECULATIVE = (None, "dflash2", "dspark")
+KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,15 @@ class EngineConfig:
     dspark_min_confidence: float = 0.0  # DSpark: verify only the draft prefix this likely to be accepted …
     dspark_busy_confidence: float = 0.3  # … or this likely when the batch is busy (load-aware shortening)
     fault_injection: str = ""  # drills and tests only: "site@n,…" (see engine/faults.py); "" = off
+    kernels: str = "auto"  # auto | cuda | torch: CUDA kernels in the request path on a GPU (self-checked)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_policy not in KV_POLICIES:
             raise ConfigError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be None, 'dflash2' or 'dspark', got {self.speculative!r}")
         for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "pool_bytes",

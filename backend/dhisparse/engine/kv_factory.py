@@ -13,8 +13,12 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
     """``dense`` is the unbounded reference store; ``resident``/``hisparse``/``adaptive`` are the hierarchy's
     policies (``dhisparse.kv``). ``extra_required_bytes`` is per-request speculative state (draft ring, verification
     staging) that the budget must count as required memory."""
+    from dhisparse.kernels import selection
+
     device = torch.device(cfg.device)
-    if cfg.kv_policy == "dense":
+    # Decided (and on a GPU self-checked) before anything serves; an impossible kernels='cuda' fails here.
+    kernels = selection.select_kernels(cfg.kernels, device)
+    if cfg.kv_policy == "dense":  # the reference store: always torch
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
     from dhisparse.kv import KVConfig, KVLayout, KVManager
 
@@ -26,7 +30,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         max_query_len=max_query_len,
         **({"extra_required_bytes": extra_required_bytes} if extra_required_bytes else {}),
     )
-    return KVManager(layout, kv_cfg, device)
+    return KVManager(layout, kv_cfg, device, kernels=kernels)
 
 
 def default_hot_rows(model_cfg: ModelConfig, max_query_len: int) -> int:

@@ -41,6 +41,7 @@ class CopyTicket:
     _run: Callable[[], None] | None = field(default=None, repr=False)
     _event: object | None = field(default=None, repr=False)
     _finish: Callable[[], None] | None = field(default=None, repr=False)
+    watched: torch.Tensor | None = field(default=None, repr=False)  # see CopyEngine.issue_gather
 
 
 class CopyError(RuntimeError):
@@ -108,6 +109,10 @@ class CopyEngine:
         stream = self._stream
         assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Stream safety: every tensor the copy stream touches stays referenced by the ticket until its event
+        # has completed, and device tensors allocated on the current stream are recorded on the copy stream,
+        # so the caching allocator cannot hand their memory to other work while the copy still reads them.
+        self._record_on_copy_stream(dst, dst_rows, src, src_rows)
         with torch.cuda.stream(stream):
             if src.device.type == "cpu" and dst.device.type == "cpu":
                 dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
@@ -116,19 +121,88 @@ class CopyEngine:
                 staged = src.index_select(0, src_rows).pin_memory()
                 moved = staged.to(dst.device, non_blocking=True)
                 dst.index_copy_(0, dst_rows, moved)
-                keep = (staged, moved, dst_rows)
+                keep = (staged, moved)
             elif dst.device.type == "cpu":
                 gathered = src.index_select(0, src_rows)
                 staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                 staged.copy_(gathered, non_blocking=True)
-                keep = (gathered, src_rows)
+                keep = (gathered, staged)
                 ticket._finish = lambda: dst.index_copy_(0, dst_rows, staged)
             else:
                 dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
-                keep = (dst_rows, src_rows)
+                keep = ()
             event = torch.cuda.Event()
             event.record(stream)
-        ticket._event = (event, keep)
+        ticket._event = (event, (*keep, src, src_rows, dst, dst_rows))
+
+    def _record_on_copy_stream(self, *tensors: torch.Tensor) -> None:
+        assert self._stream is not None
+        for t in tensors:
+            if t.device.type == "cuda":
+                t.record_stream(self._stream)
+
+    def issue_gather(
+        self,
+        kind: str,
+        dst: torch.Tensor,
+        dst_rows: torch.Tensor,
+        host: torch.Tensor,
+        src_rows: torch.Tensor,
+        launch: Callable[..., None],
+        on_done: Callable[[], None] | None = None,
+        watch: torch.Tensor | None = None,
+    ) -> CopyTicket:
+        """Issue ``dst[dst_rows[r, i]] = host[src_rows[r, i]]`` for every ``src_rows >= 0`` on the copy stream
+        with ``launch(host, dst, src_rows, dst_rows, stream=…)`` (the CUDA row-copy kernel reading pinned
+        ``host`` directly). ``src_rows`` / ``dst_rows`` ``[R, M]`` on the device, ``-1`` padded: the number of
+        rows is counted on the device and known when the ticket is done, so issuing never waits for the host.
+        ``watch`` (a small device tensor, e.g. the resolver's status column) is copied to pinned memory in the
+        same stream order and exposed as ``ticket.watched`` once done. On CPU the copy is deferred as usual."""
+        ticket = CopyTicket(self._next_id, kind, 0, on_done)
+        self._next_id += 1
+        stream = self._stream
+        if stream is None:  # CPU: deferred like every CPU copy (lets tests drive this path with torch kernels)
+            def run() -> None:
+                launch(host, dst, src_rows, dst_rows, stream=None)
+                ticket.num_rows = int((src_rows >= 0).sum())
+                ticket.watched = None if watch is None else watch.clone()
+
+            ticket._run = run
+            self._pending.append(ticket)
+            return ticket
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        extra = () if watch is None else (watch,)
+        self._record_on_copy_stream(dst, dst_rows, src_rows, *extra)
+        with torch.cuda.stream(stream):
+            launch(host, dst, src_rows, dst_rows, stream=stream)
+            count = torch.empty((), dtype=torch.int64, pin_memory=True)
+            count.copy_((src_rows >= 0).sum(), non_blocking=True)
+            watched = None
+            if watch is not None:
+                watched = torch.empty(watch.shape, dtype=watch.dtype, pin_memory=True)
+                watched.copy_(watch, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+
+        def finish() -> None:
+            ticket.num_rows = int(count)
+            ticket.watched = watched
+
+        ticket._finish = finish
+        ticket._event = (event, (host, dst, src_rows, dst_rows, count, *extra))
+        self._pending.append(ticket)
+        return ticket
+
+    def wait_for_read(self, ticket: CopyTicket | None) -> None:
+        """Make the destination rows of ``ticket`` readable by work issued next on the current stream. CPU:
+        :meth:`wait`. CUDA: the current stream waits for the ticket's event (no host synchronisation); the
+        ticket completes (``on_done``) at a later ``poll`` / ``wait``."""
+        if ticket is None or ticket.done:
+            return
+        if ticket._event is None:
+            self.wait(ticket)
+            return
+        torch.cuda.current_stream(self.device).wait_event(ticket._event[0])  # type: ignore[index]
 
     def _complete(self, ticket: CopyTicket) -> None:
         try:

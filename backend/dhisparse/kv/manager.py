@@ -22,6 +22,7 @@ While any admission waits, refill is paused.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,13 +38,22 @@ from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
 from dhisparse.kv.step import StepKV
 from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
 
+if TYPE_CHECKING:
+    from dhisparse.kernels.selection import KernelSelection
+
 
 class KVManager:
     """Load-adaptive KV hierarchy for one model (see the module docstring for the protocol)."""
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device | str = "cpu",
-                 poison_freed: bool = False) -> None:
+                 poison_freed: bool = False, kernels: KernelSelection | None = None) -> None:
         config.validate_for(layout)
+        # Which implementation resolves, fetches and attends (dhisparse.kernels.selection); torch by default.
+        if kernels is None:
+            from dhisparse.kernels.selection import torch_selection  # late: kernels imports kv.resolver
+
+            kernels = torch_selection("default")
+        self.kernels = kernels
         self.layout, self.config = layout, config
         self.device = torch.device(device)
         self.indexer_layers = frozenset(layout.indexer_layers)
@@ -372,6 +382,7 @@ class KVManager:
         out["copies_pending"] = float(self.copies.num_pending)
         out["copies_failed"] = float(self.copies.copies_failed)
         out["host_pages_used"] = float(self.host.used_pages)
+        out.update(self.kernels.stats())
         return {f"kv_{name}": value for name, value in out.items()}
 
     def request_stats(self, request_id: str) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.kv import kernel_step
 from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.request_state import RequestKV
 from dhisparse.kv.resolver import Resolution, resolve
@@ -115,6 +116,22 @@ class StepKV:
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows ``[B, X, K, row_dim]`` of the selected ``positions`` ``[B, X, K]`` int64 (``-1`` = unused
         slot, zeros returned there). Every selected position must be below ``lengths[b]``."""
+        loc = self.locations(layer, positions)
+        rows = self._m.pool.arena[loc.clamp(min=0)]
+        return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
+
+    def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+               softmax_scale: float) -> torch.Tensor | None:
+        """Sparse MLA ``out_lat [B, X, H, rank]`` of ``q_lat [B, X, H, rank]`` / ``q_pe [B, X, H, rope]`` over
+        the rows at ``positions`` by the selected device kernel, or ``None`` (the caller computes it from
+        :meth:`gather`) when the kernels are torch's (see ``dhisparse.kv.kernel_step``)."""
+        if not self._m.kernels.on_device:
+            return None
+        return kernel_step.attend(self._m, self.locations(layer, positions), q_lat, q_pe, softmax_scale)
+
+    def locations(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Arena rows ``[B, X, K]`` of the selected ``positions`` (``-1`` where unused), readable by work issued
+        next on the current stream; resolves (and fetches) on first use per source and positions tensor."""
         self._check_open()
         m = self._m
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
@@ -133,10 +150,8 @@ class StepKV:
                     self._resolve(other_source, positions)
             entry = self._lookup(source, positions)
             assert entry is not None
-        m.copies.wait(entry.ticket)
-        loc = entry.resolution.locations.view_as(positions)
-        rows = m.pool.arena[loc.clamp(min=0)]
-        return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
+        m.copies.wait_for_read(entry.ticket)
+        return entry.resolution.locations.view_as(positions)
 
     def _lookup(self, source: int, positions: torch.Tensor) -> _Resolved | None:
         entry = self._resolved.get(source)
@@ -149,6 +164,11 @@ class StepKV:
 
     def _resolve(self, source: int, positions: torch.Tensor) -> None:
         m = self._m
+        if m.kernels.on_device:  # CUDA kernels: resolve and fetch without a host round trip
+            res, ticket = kernel_step.resolve_on_device(self, m, source, positions)
+            self.resolver_calls += 1
+            self._resolved[source] = _Resolved(positions, res, ticket)
+            return
         flat = positions.reshape(len(self.requests), -1)
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
                       self.hot_loc[:, source], self.stamp, m.pool.page_rows)

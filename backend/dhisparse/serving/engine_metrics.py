@@ -49,6 +49,8 @@ DESCRIPTIONS = {
     "kv_optional_bytes": "Device KV bytes held by optional pages",
     "kv_pool_bytes": "Device KV pool budget",
     "kv_host_pages_used": "Host KV pages owned by requests",
+    "kv_kernels_cuda": "1 when the CUDA kernels serve the request path (kernels=auto|cuda), else 0",
+    "kv_kernels_fallback": "1 when kernels=auto had a GPU but fell back to torch (not built or self-check failed)",
     "kv_reclaim_events": "Requests whose optional pages were reclaimed (cumulative)",
     "draft_tokens_proposed": "Draft tokens proposed by the speculative drafter (cumulative)",
     "draft_tokens_accepted": "Draft tokens accepted by verification (cumulative)",

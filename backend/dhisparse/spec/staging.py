@@ -43,6 +43,13 @@ class StagedStepKV:
     def index_keys(self, layer: int) -> torch.Tensor:
         return self.inner.index_keys(layer)
 
+    def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+               softmax_scale: float) -> torch.Tensor | None:
+        """Device-kernel attention of the inner step (it reads the arena by location: no staging copy), or
+        ``None`` when the inner step has none (then ``gather`` stages the rows)."""
+        attend = getattr(self.inner, "attend", None)
+        return None if attend is None else attend(layer, positions, q_lat, q_pe, softmax_scale)
+
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         rows = self.inner.gather(layer, positions)
         b, q, k, _ = rows.shape
