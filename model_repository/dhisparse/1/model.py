@@ -31,6 +31,7 @@ class TritonPythonModel:
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
         self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s)
+        self.exclude_input_default = parameters.get("exclude_input_in_output", "true").lower() == "true"
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -38,11 +39,12 @@ class TritonPythonModel:
             try:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
                 target = self.requests.cancel_target(inputs)
-                if target is not None:  # control request from dhisparse_bls
-                    self.service.cancel_client(target)
+                if target is not None or self.requests.stop_requested(inputs):  # control: dhisparse_bls / stop
+                    self.service.cancel_client(target if target is not None else request.request_id())
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                self.service.start(self.requests.parse_llm_request(inputs), sender, request.request_id())
+                parsed = self.requests.parse_llm_requests(inputs, self.exclude_input_default)
+                self.service.start_all(parsed, sender, request.request_id())
             except ValueError as error:  # InvalidRequestError and SamplingParams' checks
                 sender.send(self.tensors.error_response(pb_utils, error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
