@@ -148,20 +148,25 @@ def test_penalties_bad_words_min_length_and_bias_match_offline(served, offline_l
     prompt = PROMPTS[0]
     ids = tokenizer.encode(prompt).ids
     token_bytes = TokenBytes(tokenizer)
-    word_ids = tuple(tokenizer.encode(" the", add_special_tokens=False).ids)
+    plain = offline_llm.generate([ids], SamplingParams(max_tokens=OUTPUT_LEN))[0].token_ids
+    # words of the plain output that encode back to their own single token: banning them must change the output
+    words = [token_bytes.decode([t]).decode("utf-8", "ignore") for t in plain]
+    words = list(dict.fromkeys(w for w, t in zip(words, plain, strict=True)
+                               if w and tokenizer.encode(w, add_special_tokens=False).ids == [t]))
+    assert len(words) >= 2
     cases = [
         ({"repetition_penalty": np.array([[1.6]], dtype=np.float32)}, dict(repetition_penalty=float(np.float32(1.6)))),
         ({"presence_penalty": np.array([[1.0]], dtype=np.float32),
           "frequency_penalty": np.array([[0.5]], dtype=np.float32)}, dict(presence_penalty=1.0, frequency_penalty=0.5)),
-        ({"bad_words": np.array([[" the", "e"]], dtype=object)},
-         dict(bad_words=(word_ids, tuple(tokenizer.encode("e", add_special_tokens=False).ids)))),
-        ({"min_length": np.array([[8]], dtype=np.int32)}, dict(min_tokens=7)),
-        ({"embedding_bias_words": np.array([["e", "s"]], dtype=object),
-          "embedding_bias_weights": np.array([[3.0, -2.0]], dtype=np.float32)},
-         dict(logit_bias={tokenizer.encode("e", add_special_tokens=False).ids[0]: 3.0,
-                          tokenizer.encode("s", add_special_tokens=False).ids[0]: -2.0})),
+        ({"bad_words": np.array([words[:2]], dtype=object)},
+         dict(bad_words=tuple(tuple(tokenizer.encode(w, add_special_tokens=False).ids) for w in words[:2]))),
+        ({"end_id": np.array([[plain[2]]], dtype=np.int32), "min_length": np.array([[8]], dtype=np.int32)},
+         dict(stop_token_ids=(plain[2],), min_tokens=7)),
+        ({"embedding_bias_words": np.array([words[:2]], dtype=object),
+          "embedding_bias_weights": np.array([[-30.0, 2.0]], dtype=np.float32)},
+         dict(logit_bias={tokenizer.encode(words[0], add_special_tokens=False).ids[0]: -30.0,
+                          tokenizer.encode(words[1], add_special_tokens=False).ids[0]: 2.0})),
     ]
-    plain = offline_llm.generate([ids], SamplingParams(max_tokens=OUTPUT_LEN))[0].token_ids
     for extra, params in cases:
         inputs = {**e2e_client_inputs(prompt, streaming=False), **extra}
         inputs["exclude_input_in_output"] = np.array([[True]], dtype=bool)
