@@ -215,3 +215,33 @@ def test_unsupported_input_is_refused_with_its_reason_and_server_keeps_serving(s
         _run(served, {**e2e_client_inputs(PROMPTS[0], streaming=True), name: value}, ["text_output"])
     assert message in str(error.value)
     assert _run(served, e2e_client_inputs(PROMPTS[0], streaming=False), ["text_output"])
+
+
+def test_llm_model_directly_batched_with_sequences(served, offline_llm, tokenizer):
+    """The `dhisparse` model with tensorrt_llm's names: two padded prompts in one request, two samples each,
+    prompt ids first (exclude_input_in_output = false), log probs per sequence."""
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS[:2]]
+    width = max(len(p) for p in prompts)
+    inputs = {
+        "input_ids": np.array([p + [0] * (width - len(p)) for p in prompts], dtype=np.int32),
+        "input_lengths": np.array([[len(p)] for p in prompts], dtype=np.int32),
+        "request_output_len": np.full((2, 1), 6, dtype=np.int32),
+        "temperature": np.full((2, 1), 0.9, dtype=np.float32),
+        "random_seed": np.array([[5], [9]], dtype=np.uint64),
+        "num_return_sequences": np.full((2, 1), 2, dtype=np.int32),
+        "exclude_input_in_output": np.zeros((2, 1), dtype=bool),
+        "return_log_probs": np.ones((2, 1), dtype=bool),
+    }
+    seen = {}
+    for response in _run(served, inputs, None, model="dhisparse"):
+        key = (int(response["batch_index"][0][0]), int(response["sequence_index"][0][0]))
+        seen[key] = response
+    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for (row, index), response in seen.items():
+        seed = 5 if row == 0 else 9
+        params = SamplingParams(max_tokens=6, temperature=float(np.float32(0.9)), seed=seed, logprobs=True)
+        expected = offline_llm.generate([prompts[row]], params.for_sequence(index))[0]
+        ids = response["output_ids"].reshape(-1).tolist()
+        assert ids == prompts[row] + expected.token_ids
+        assert int(response["sequence_length"][0][0]) == len(ids)
+        assert np.allclose(response["output_log_probs"].reshape(-1), expected.log_probs, atol=1e-5)
