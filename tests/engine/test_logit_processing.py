@@ -11,7 +11,7 @@ from tiny_models import load_reference, random_prompts
 
 from dhisparse import LLM, SamplingParams
 
-NEW_TOKENS = 10
+NEW_TOKENS = 8
 CASES = {
     "repetition": dict(repetition_penalty=1.8),
     "presence_frequency": dict(presence_penalty=1.5, frequency_penalty=0.7),
