@@ -114,7 +114,7 @@ class LLMService:
 
     def _respond(self, request_id: str, request: LLMRequest, stream: Iterable, sender: Any,
                  sequence_index: int = 0) -> None:
-        matcher = StopSequenceMatcher(request.stop_sequences)
+        matcher = StopSequenceMatcher(request.stop_sequences, request.params.min_tokens)
         builder = ResponseBuilder(request, sequence_index)
         done = False  # the client has its final response (or is gone)
         try:
