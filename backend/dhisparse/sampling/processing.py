@@ -15,12 +15,23 @@ Arithmetic stays in the logits' dtype, element by element as transformers' logit
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from dhisparse.sampling.params import SamplingParams
+
+
+@functools.lru_cache(maxsize=256)
+def _bias_vector(logit_bias: tuple[tuple[int, float], ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """Dense ``[V]`` float32 bias of ``(token id, bias)`` pairs (cached: a request's bias is the same every step)."""
+    bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+    if logit_bias:
+        ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.int64, device=device)
+        bias.index_add_(0, ids, torch.tensor([b for _, b in logit_bias], dtype=torch.float32, device=device))
+    return bias
 
 
 def initial_counts(prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
@@ -82,11 +93,7 @@ class LogitsProcessor:
             row_counts = torch.stack([counts[i] if counts[i] is not None else zeros for i in rows])
         bias = None
         if any(p.logit_bias for p in chosen):
-            bias = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
-            for r, p in enumerate(chosen):  # per request, once per step, only for requests that ask for bias
-                if p.logit_bias:
-                    ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=device)
-                    bias[r].index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device))
+            bias = torch.stack([_bias_vector(p.logit_bias, vocab, device) for p in chosen])
         bad_prefix = bad_last = tail = None
         if any(p.bad_words for p in chosen):
             k = max(len(p.bad_words) for p in chosen)
