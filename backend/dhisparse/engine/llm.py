@@ -9,10 +9,10 @@ from typing import Any
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.request import RequestOutput, RequestUpdate
-from dhisparse.engine.sampling import SamplingParams
 from dhisparse.errors import CheckpointError
 from dhisparse.model.model import DSAModel
 from dhisparse.model.weights import load_state_dict, read_config
+from dhisparse.sampling.params import SamplingParams
 
 
 class LLM:
@@ -83,7 +83,9 @@ class LLM:
         for i in ids:
             req = self.engine.pop_finished(i)
             outputs.append(RequestOutput(i, req.prompt_token_ids, list(req.output_token_ids), req.finish_reason,
-                                         self.engine.request_stats(req), req.error))
+                                         self.engine.request_stats(req),
+                                         list(req.output_log_probs) if req.params.logprobs else None,
+                                         error=req.error))
         return outputs
 
     def generate_stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None

@@ -15,10 +15,20 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.faults import FaultInjector, FaultyStepKV
 from dhisparse.engine.kv_factory import make_kv_manager
 from dhisparse.engine.request import Request, RequestUpdate, Status
-from dhisparse.engine.sampling import SamplingParams, filtered_probs, sample, seed_to_int64, uniform
 from dhisparse.errors import EngineDeadError, InvalidRequestError
 from dhisparse.kv.copies import CopyError
 from dhisparse.model.model import DSAModel
+from dhisparse.sampling import (
+    LogitsProcessor,
+    SamplingParams,
+    add_counts,
+    filtered_probs,
+    initial_counts,
+    sample,
+    seed_to_int64,
+    token_log_probs,
+    uniform,
+)
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.speculator import Speculator
 from dhisparse.spec.staging import VerificationStaging
@@ -32,16 +42,27 @@ class BatchSampling(NamedTuple):
     top_p: torch.Tensor  # float64
     seeds: torch.Tensor  # int64 bit patterns of the requests' random streams
     counters: torch.Tensor  # int64, tokens generated so far (the stream position)
+    processor: LogitsProcessor | None  # penalties / bias / bad words / min_tokens of the rows that ask for them
 
     @classmethod
-    def of(cls, batch: list[Request], device: torch.device) -> BatchSampling:
+    def of(cls, batch: list[Request], device: torch.device, eos_token_ids: tuple[int, ...] = (),
+           vocab: int = 0) -> BatchSampling:
+        params = [r.params for r in batch]
+        processor = LogitsProcessor.build(
+            params, [(r.prompt_token_ids, r.output_token_ids) for r in batch], [r.token_counts for r in batch],
+            eos_token_ids, vocab, device) if any(p.processes_logits for p in params) else None
         return cls(
-            torch.tensor([r.params.temperature for r in batch], dtype=torch.float64, device=device),
-            torch.tensor([r.params.top_k for r in batch], dtype=torch.int64, device=device),
-            torch.tensor([r.params.top_p for r in batch], dtype=torch.float64, device=device),
+            torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
             torch.tensor([r.seed for r in batch], dtype=torch.int64, device=device),
             torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=device),
+            processor,
         )
+
+    def process(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits [B, Q, V]`` after each row's logit processing (unchanged rows are not copied when none)."""
+        return logits if self.processor is None else self.processor.apply(logits, draft)
 
 
 class LLMEngine:
@@ -122,6 +143,10 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise InvalidRequestError(f"stop token id {bad_stop[0]} is outside the vocabulary [0, {vocab})")
+        bad_ids = [t for t in params.token_ids_used() if not 0 <= t < vocab]
+        if bad_ids:
+            raise InvalidRequestError(f"token id {bad_ids[0]} in bad_words / logit_bias is outside the vocabulary "
+                                      f"[0, {vocab})")
         reason = self.kv.never_admissible(len(prompt_token_ids), params.max_tokens)
         if reason is not None:
             raise InvalidRequestError(f"this request can never fit the KV pool: {reason}")
@@ -137,6 +162,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else zlib.crc32(request_id.encode())
         req = Request(request_id, prompt, params, seed_to_int64(seed))
+        if params.counts_tokens:
+            req.token_counts = initial_counts(prompt, self.model.cfg.vocab_size, self.model.device)
         self.requests[request_id] = req
         self.waiting.append(req)
         self.counters["requests_added"] += 1
@@ -205,7 +232,7 @@ class LLMEngine:
     def _end_with_error(self, req: Request, message: str, updates: list[RequestUpdate]) -> None:
         self._finish(req, "error", message)
         self.counters["requests_failed"] += 1
-        updates.append(RequestUpdate(req.request_id, [], True, "error", self.request_stats(req), message))
+        updates.append(RequestUpdate(req.request_id, [], True, "error", self.request_stats(req), error=message))
 
     def _die(self, reason: str, updates: list[RequestUpdate]) -> None:
         """Invariants could not be restored: end every request with an error and refuse all further work."""
@@ -213,7 +240,7 @@ class LLMEngine:
         for req in [*self.waiting, *self.running]:
             req.finish_reason, req.error, req.status = "error", message, Status.FINISHED
             req.finish_time = time.perf_counter()
-            updates.append(RequestUpdate(req.request_id, [], True, "error", {}, message))
+            updates.append(RequestUpdate(req.request_id, [], True, "error", {}, error=message))
         self.counters["requests_failed"] += len(self.waiting) + len(self.running)
         self.waiting.clear()
         self.running.clear()
@@ -252,14 +279,15 @@ class LLMEngine:
     def _prefill(self, req: Request, updates: list[RequestUpdate]) -> None:
         out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens,
                                  capture_hidden=self.spec.layers if self.spec else (),
-                                 on_chunk=self._prefill_chunk_hook)
+                                 all_logits=req.params.context_logits, on_chunk=self._prefill_chunk_hook)
+        if req.params.context_logits:
+            req.context_logits = out.all_logits
         self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
         if self.spec is not None:
             req.spec_state = self.spec.start(self.spec.features(out.hidden))
-        token = self._sample([req], out.logits.unsqueeze(0))[0]
         req.num_computed = req.prompt_len
         self.counters["prefill_tokens"] += req.prompt_len
-        self._append_tokens(req, [token], updates)
+        self._sample_and_append([req], out.logits.unsqueeze(0), updates)
 
     def _prefill_chunk_hook(self, start: int) -> None:
         self.faults.hit("prefill_chunk")
@@ -277,12 +305,11 @@ class LLMEngine:
         step_kv = self._faulty(self.kv.begin_step([r.request_id for r in batch], 1), "decode_forward")
         out = self.model.forward(ids, positions, step_kv)
         self.kv.end_step({r.request_id: 1 for r in batch})
-        tokens = self._sample(batch, out.logits[:, -1])
         self.counters["decode_steps"] += 1
         self.counters["decode_batch_rows"] += len(batch)
-        for req, token in zip(list(batch), tokens, strict=False):
+        for req in batch:
             req.num_computed += 1
-            self._append_tokens(req, [token], updates)
+        self._sample_and_append(list(batch), out.logits[:, -1], updates)
 
     def _speculative_decode(self, updates: list[RequestUpdate]) -> None:
         """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance."""
@@ -290,7 +317,7 @@ class LLMEngine:
         assert spec is not None and self.staging is not None
         slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
-        sampling = BatchSampling.of(batch, dev)
+        sampling = self._batch_sampling(batch)
         self.faults.hit("draft_propose")
         draft, q_draft, lengths, _ = spec.propose(slots, last, len(batch), sampling.temperature, sampling.seeds,
                                                   sampling.counters)
@@ -302,7 +329,11 @@ class LLMEngine:
         step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
         step_kv = self._faulty(step_kv, "verify_forward")
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
-        accepted, next_tokens = self._accept(sampling, out.logits, draft, q_draft, lengths)
+        logits = sampling.process(out.logits, draft)  # the same processing as the plain path, per position
+        accepted, next_tokens = self._accept(sampling, logits, draft, q_draft, lengths)
+        emitted = torch.cat([draft, next_tokens.unsqueeze(1)], dim=1).scatter(  # [B, Q]: d_1 … d_n, next
+            1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
+        extras = self._token_extras(batch, sampling, logits, emitted)
         kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
         self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist(), strict=False)})
         spec.advance(slots, spec.features(out.hidden), kept)
@@ -311,13 +342,15 @@ class LLMEngine:
         self.counters["draft_tokens_proposed"] += int(lengths.sum())
         self.counters["draft_tokens_accepted"] += int(accepted.sum())
         self.counters["draft_tokens_shortened"] += int((spec.gamma - lengths).sum())
-        for req, n, k, nxt, row, g in zip(list(batch), accepted.tolist(), kept.tolist(), next_tokens.tolist(),
-                                          draft.tolist(), lengths.tolist(), strict=False):
+        for b, (req, n, k, nxt, row, g) in enumerate(zip(list(batch), accepted.tolist(), kept.tolist(),
+                                                         next_tokens.tolist(), draft.tolist(), lengths.tolist(),
+                                                         strict=False)):
             req.num_computed += k
             req.counters["draft_tokens_proposed"] = req.counters.get("draft_tokens_proposed", 0.0) + g
             req.counters["draft_tokens_accepted"] = req.counters.get("draft_tokens_accepted", 0.0) + n
             req.counters["verify_steps"] = req.counters.get("verify_steps", 0.0) + 1
-            self._append_tokens(req, row[:n] + [nxt], updates)
+            self._append_tokens(req, row[:n] + [nxt], updates, *(extra[b][: n + 1] if extra is not None else None
+                                                                  for extra in extras))
 
     def _faulty(self, step_kv: object, site: str) -> object:
         return FaultyStepKV(step_kv, self.faults, site, self._fault_layer) if self.faults.enabled else step_kv
@@ -339,12 +372,34 @@ class LLMEngine:
         s_acc, s_next = rejection_accept(p, draft, q_draft, lengths, u_accept, u_next)
         return torch.where(sampled, s_acc, accepted), torch.where(sampled, s_next, next_tokens)
 
-    @staticmethod
-    def _sample(batch: list[Request], logits: torch.Tensor) -> list[int]:
-        return sample(logits, *BatchSampling.of(batch, logits.device)).tolist()
+    def _batch_sampling(self, batch: list[Request]) -> BatchSampling:
+        return BatchSampling.of(batch, self.model.device, tuple(self.eos_token_ids), self.model.cfg.vocab_size)
 
-    def _append_tokens(self, req: Request, tokens: list[int], updates: list[RequestUpdate]) -> None:
-        """Append accepted tokens, stopping at a stop token or the length limit."""
+    def _sample_and_append(self, batch: list[Request], logits: torch.Tensor, updates: list[RequestUpdate]) -> None:
+        """Sample one token per request from ``logits [B, V]`` (after its logit processing) and append it."""
+        sampling = self._batch_sampling(batch)
+        processed = sampling.process(logits.unsqueeze(1))[:, 0]
+        tokens = sample(processed, *sampling[:5])
+        extras = self._token_extras(batch, sampling, processed.unsqueeze(1), tokens.unsqueeze(1))
+        for b, (req, token) in enumerate(zip(batch, tokens.tolist(), strict=True)):
+            self._append_tokens(req, [token], updates, *(extra[b] if extra is not None else None for extra in extras))
+
+    @staticmethod
+    def _token_extras(batch: list[Request], sampling: BatchSampling, logits: torch.Tensor, tokens: torch.Tensor
+                      ) -> tuple[list[list[float]] | None, torch.Tensor | None]:
+        """What requests asked to get with their tokens, for ``tokens [B, Q]`` chosen at ``logits [B, Q, V]``:
+        log-probabilities (per request a list over Q; None when nobody asked) and the processed logits."""
+        log_probs = None
+        if any(r.params.logprobs for r in batch):
+            q = tokens.shape[1]
+            log_probs = token_log_probs(logits, sampling.temperature.unsqueeze(1).expand(-1, q), tokens).tolist()
+        gen_logits = logits if any(r.params.generation_logits for r in batch) else None
+        return log_probs, gen_logits
+
+    def _append_tokens(self, req: Request, tokens: list[int], updates: list[RequestUpdate],
+                       log_probs: list[float] | None = None, logits: torch.Tensor | None = None) -> None:
+        """Append accepted tokens, stopping at a stop token or the length limit. ``log_probs`` / ``logits
+        [len(tokens), V]`` come along when the request asked for them."""
         if req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         new: list[int] = []
@@ -362,10 +417,23 @@ class LLMEngine:
                 reason = "length"
                 break
         self.counters["generated_tokens"] += len(new)
+        req.last_token_time = time.perf_counter()
+        if req.token_counts is not None:
+            add_counts(req.token_counts, new)
+        update = RequestUpdate(req.request_id, new, reason is not None, reason)
+        if req.params.logprobs and log_probs is not None:
+            update.new_log_probs = [float(x) for x in log_probs[: len(new)]]
+            req.output_log_probs.extend(update.new_log_probs)
+            req.cum_log_prob += sum(update.new_log_probs)
+        if req.params.generation_logits and logits is not None:
+            update.new_logits = logits[: len(new)].float().cpu()
+        if req.context_logits is not None:
+            update.context_logits, req.context_logits = req.context_logits.float().cpu(), None
         if reason is not None:
             self._finish(req, reason)
-        updates.append(RequestUpdate(req.request_id, new, reason is not None, reason,
-                                     self.request_stats(req) if reason is not None else {}))
+        if reason is not None or req.params.perf_metrics:
+            update.stats = self.request_stats(req)
+        updates.append(update)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         req.finish_reason, req.error = reason, error
@@ -388,7 +456,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------------- stats
     def request_stats(self, req: Request) -> dict[str, float]:
-        return {**req.timing(), **req.counters}
+        """Timing (``Request.timing``), counters, and ``kv_pages``: the KV pages (``page_rows`` rows each, per
+        KV source) the request's stored tokens span."""
+        pages = -(-req.num_computed // self.cfg.page_rows) if self.cfg.page_rows else 0
+        return {**req.timing(), **req.counters, "kv_pages": float(pages), "cum_log_prob": req.cum_log_prob}
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counters.items()}

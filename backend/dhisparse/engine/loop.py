@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 from dhisparse.engine.llm import LLM
 from dhisparse.engine.request import RequestUpdate
-from dhisparse.engine.sampling import SamplingParams
 from dhisparse.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from dhisparse.sampling.params import SamplingParams
 
 _END = object()
 

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-file", type=Path, default=None, help="write the server log here (default: terminal)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument("--exclude-input-in-output", choices=("true", "false"), default="true",
+                   help="default for requests that do not send exclude_input_in_output (tensorrtllm_backend's "
+                        "parameter of that name): false = non-streaming outputs start with the prompt")
     g = p.add_argument_group("engine runtime options (override the engine's runtime.json)")
     for name, kind, help_text in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         install = TritonInstall.locate()
-        spec = RepositorySpec(args.engine, engine_overrides(args), metrics_interval_ms=args.metrics_interval_ms)
+        spec = RepositorySpec(args.engine, engine_overrides(args), metrics_interval_ms=args.metrics_interval_ms,
+                              exclude_input_in_output=args.exclude_input_in_output == "true")
         if not (spec.engine_dir / "config.json").is_file():
             raise ValueError(f"{spec.engine_dir} is not an engine directory (no config.json)")
     except (TritonNotInstalledError, ValueError, TypeError) as error:

@@ -33,6 +33,7 @@ class TritonPythonModel:
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
         self.name = args["model_name"]
         self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s, on_engine_dead=self._engine_dead)
+        self.exclude_input_default = parameters.get("exclude_input_in_output", "true").lower() == "true"
 
     def _engine_dead(self, reason: str) -> None:
         """The engine stopped (every client has its error): unload this model so its readiness turns false.
@@ -53,11 +54,12 @@ class TritonPythonModel:
             try:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
                 target = self.requests.cancel_target(inputs)
-                if target is not None:  # control request from dhisparse_bls
-                    self.service.cancel_client(target)
+                if target is not None or self.requests.stop_requested(inputs):  # control: dhisparse_bls / stop
+                    self.service.cancel_client(target if target is not None else request.request_id())
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                self.service.start(self.requests.parse_llm_request(inputs), sender, request.request_id())
+                parsed = self.requests.parse_llm_requests(inputs, self.exclude_input_default)
+                self.service.start_all(parsed, sender, request.request_id())
             except Exception as error:  # bad input (ValueError), a stopped engine, anything: an error, never silence
                 sender.send(self.tensors.error_response(pb_utils, error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
