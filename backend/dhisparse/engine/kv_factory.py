@@ -6,6 +6,7 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.dense_kv import DenseKVManager
+from dhisparse.errors import ConfigError
 from dhisparse.model.config import ModelConfig
 
 
@@ -14,6 +15,8 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
     policies (``dhisparse.kv``). ``extra_required_bytes`` is per-request speculative state (draft ring, verification
     staging) that the budget must count as required memory."""
     device = torch.device(cfg.device)
+    if getattr(model_cfg, "model_type", None) == "deepseek_v4":
+        return _deepseek_v4_manager(model_cfg, cfg, device, max_query_len)
     if cfg.kv_policy == "dense":
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
     from dhisparse.kv import KVConfig, KVLayout, KVManager
@@ -32,3 +35,13 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
 def default_hot_rows(model_cfg: ModelConfig, max_query_len: int) -> int:
     """Hot-cache rows per source: room for the union of all verification queries' selections."""
     return model_cfg.index_topk * max_query_len
+
+
+def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max_query_len: int):
+    from dhisparse.engine.v4_kv import V4DenseKVManager
+
+    if cfg.kv_policy != "dense":
+        raise ConfigError(f"kv_policy {cfg.kv_policy!r} does not serve deepseek_v4 models yet; use kv_policy='dense'")
+    if max_query_len != 1:
+        raise ConfigError("speculative decoding does not serve deepseek_v4 models yet; unset 'speculative'")
+    return V4DenseKVManager(model_cfg, device, max_query_len)

@@ -10,9 +10,8 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.request import RequestOutput, RequestUpdate
 from dhisparse.engine.sampling import SamplingParams
-from dhisparse.errors import CheckpointError
-from dhisparse.model.model import DSAModel
-from dhisparse.model.weights import load_state_dict, read_config
+from dhisparse.errors import CheckpointError, ConfigError
+from dhisparse.model.loading import build_model, load_any_state_dict, read_any_config
 
 
 class LLM:
@@ -27,13 +26,15 @@ class LLM:
         if not self.engine_dir.is_dir():
             raise CheckpointError(f"{self.engine_dir}: engine directory not found")
         self.config = EngineConfig.load(self.engine_dir / "runtime.json").with_overrides(**runtime_overrides)
-        model_cfg = read_config(self.engine_dir)
-        weights = load_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
+        model_cfg = read_any_config(self.engine_dir)
+        weights = load_any_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
         import torch
 
         device = torch.device(self.config.device)
-        model = DSAModel(model_cfg, weights, self.config.torch_dtype, device)
+        model = build_model(model_cfg, weights, self.config.torch_dtype, device)
         speculator = None
+        if self.config.speculative and getattr(model_cfg, "model_type", None) == "deepseek_v4":
+            raise ConfigError("speculative decoding does not serve deepseek_v4 models yet; unset 'speculative'")
         if self.config.speculative:
             from dhisparse.spec.speculator import Speculator
 

@@ -7,8 +7,9 @@ Per request (:class:`V4RequestKV`), after ``length`` tokens:
 * ``pending[key]`` ``(kv, gate)`` ``[P, width]``: the compressor projections of positions ``length-P …
   length-1`` — ``P = 2·rate`` for CSA (entry ``w`` pools window ``w-1``'s first half with window ``w``'s second
   half), ``P = rate`` for HCA; keys are ``(layer, "kv")`` and, for CSA, ``(layer, "index")``;
-* ``entries[key]`` ``[capacity // rate, d]``: the compressed entries, ``length // rate`` of them valid: KV rows
-  of ``head_dim`` (CSA: the selectable rows; HCA: all attended) and, for CSA, indexer keys of ``index_head_dim``.
+* ``entries[key]`` ``[≥ length // rate, d]`` (grown on demand): the compressed entries, ``length // rate`` of
+  them valid: KV rows of ``head_dim`` (CSA: the selectable rows; HCA: all attended) and, for CSA, indexer
+  keys of ``index_head_dim``.
 
 A layer that reuses another layer's KV source (``cfg.source_of``) reads that layer's ``entries``; it keeps no
 compressor state and writes no entries of its own.
@@ -43,10 +44,11 @@ def state_keys(cfg: DeepseekV4Config) -> dict[Key, tuple[int, int, int]]:
 
 
 class V4RequestKV:
-    """One request's state (see the module docstring); ``capacity`` bounds its total length."""
+    """One request's state (see the module docstring); ``capacity`` sizes the entry tables initially (they grow
+    when a request outlives it)."""
 
     def __init__(self, cfg: DeepseekV4Config, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.cfg, self.capacity, self.length = cfg, capacity, 0
+        self.cfg, self.length = cfg, 0
         w = cfg.sliding_window - 1
         self.window = [torch.zeros(w, cfg.head_dim, dtype=dtype, device=device)
                        for _ in range(cfg.num_hidden_layers)]
@@ -57,6 +59,15 @@ class V4RequestKV:
                                  torch.zeros(p, width, dtype=dtype, device=device))
             self.entries[key] = torch.zeros(capacity // rate + 1, width // (2 if p == 2 * rate else 1),
                                             dtype=dtype, device=device)
+
+    def reserve(self, key: Key, rows: int) -> torch.Tensor:
+        """The entry table of ``key`` with room for at least ``rows`` entries (grown geometrically)."""
+        table = self.entries[key]
+        if rows > table.shape[0]:
+            grown = table.new_zeros(max(2 * table.shape[0], rows), table.shape[1])
+            grown[: table.shape[0]] = table
+            self.entries[key] = table = grown
+        return table
 
     def entry_count(self, layer: int) -> int:
         rate = self.cfg.compress_rate(layer)
@@ -81,10 +92,6 @@ class V4StepKV:
 
     def __init__(self, stores: list[V4RequestKV], query_len: int, device: torch.device) -> None:
         self.stores, self.query_len, self.device = stores, query_len, device
-        for s in stores:
-            if s.length + query_len > s.capacity:
-                raise ValueError(f"a request of capacity {s.capacity} cannot take {query_len} more tokens "
-                                 f"after {s.length}")
         self.starts = torch.tensor([s.length for s in stores], dtype=torch.int64, device=device)
         self.lengths = self.starts + query_len
         self._window: dict[int, torch.Tensor] = {}
@@ -122,13 +129,14 @@ class V4StepKV:
             n = int(counts[b])
             if n:
                 f = int(first[b])
-                s.entries[key][f:f + n] = entries[b, :n].to(s.entries[key].dtype)
+                table = s.reserve(key, f + n)
+                table[f:f + n] = entries[b, :n].to(table.dtype)
 
     def entries(self, key: Key, rate: int) -> torch.Tensor:
         """Every entry complete after this step's tokens, ``[B, Emax, d]`` (rows past a request's count are
         stale or zero: callers mask them by position)."""
         e_max = int(self.lengths.max()) // rate
-        return torch.stack([s.entries[key][:e_max] for s in self.stores])
+        return torch.stack([s.reserve(key, e_max)[:e_max] for s in self.stores])
 
     # ------------------------------------------------------------------------------------------ commit
     def commit(self, accepted: list[int] | None = None) -> None:

@@ -79,16 +79,21 @@ class DeepseekV4Model:
         return cls(cfg, load_state_dict(path, cfg, dtype), dtype, torch.device(device))
 
     def new_state(self, capacity: int) -> V4RequestKV:
-        """Empty KV state for a request of at most ``capacity`` tokens."""
+        """Empty KV state, its entry tables sized for ``capacity`` tokens."""
         return V4RequestKV(self.cfg, capacity, self.dtype, self.device)
 
     # --------------------------------------------------------------------------------------------- forward
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, kv: V4StepKV, *, all_logits: bool = False,
-                capture_hidden: tuple[int, ...] = (), record_selections: bool = False) -> V4ForwardOutput:
-        """Run ``token_ids [B, Q]`` at ``kv.positions``; the caller commits ``kv`` afterwards."""
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor | None, kv: V4StepKV, *,
+                all_logits: bool = False, capture_hidden: tuple[int, ...] = (), record_selections: bool = False
+                ) -> V4ForwardOutput:
+        """Run ``token_ids [B, Q]`` at ``positions [B, Q]`` (``None``: ``kv.positions``, which they must equal);
+        the caller commits ``kv`` afterwards."""
         cfg = self.cfg
-        positions = kv.positions
+        if positions is None:
+            positions = kv.positions
+        elif not torch.equal(positions.to(kv.positions.device), kv.positions):
+            raise ValueError("positions must continue each request's history (kv.positions)")
         streams = self.embed[token_ids].unsqueeze(2).expand(-1, -1, cfg.hc_mult, -1).contiguous()
         out = V4ForwardOutput(logits=torch.empty(0))
         selections: dict[int, torch.Tensor] = {}
@@ -116,7 +121,9 @@ class DeepseekV4Model:
     def prefill(self, token_ids: list[int] | torch.Tensor, *, chunk_tokens: int = 512,
                 capture_hidden: tuple[int, ...] = (), all_logits: bool = False, capacity: int | None = None
                 ) -> V4PrefillOutput:
-        """Prefill one prompt chunk by chunk into a fresh state of ``capacity`` tokens (default: the prompt)."""
+        """Prefill one prompt chunk by chunk into a fresh state (entry tables sized for ``capacity`` tokens,
+        default the prompt; they grow). Chunking does not change results beyond float32 rounding of the
+        reference's own float32 parts (mHC, norms)."""
         ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).view(-1)
         total = ids.numel()
         state = self.new_state(capacity or total)
@@ -126,7 +133,7 @@ class DeepseekV4Model:
         for start in range(0, total, chunk_tokens):
             chunk = ids[start:start + chunk_tokens]
             step = V4StepKV([state], chunk.numel(), self.device)
-            result = self.forward(chunk.unsqueeze(0), step, all_logits=all_logits, capture_hidden=capture_hidden)
+            result = self.forward(chunk.unsqueeze(0), None, step, all_logits=all_logits, capture_hidden=capture_hidden)
             step.commit()
             if all_logits:
                 parts.append(result.logits[0])
