@@ -17,8 +17,8 @@ from dhisparse.model.deepseek_v4.kv_state import V4StepKV
 from dhisparse.model.deepseek_v4.model import DeepseekV4Model
 
 NAMES = sorted(CONFIGS)
-LENGTHS = [1, 6, 13, 30]
-NEW_TOKENS = 24
+LENGTHS = [1, 13, 30]  # irregular; the longest crosses several CSA and HCA windows
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,32 @@ def test_engine_build_and_llm_generate_match_transformers(v4_checkpoint, tiny_ro
     assert outs[0].stats["kv_csa_entries_bytes"] > 0
     with pytest.raises(ValueError, match="kv_policy 'adaptive' does not serve deepseek_v4"):
         LLM(engine, kv_policy="adaptive")
+
+
+def test_shared_kv_source_layers_read_the_source_and_keep_no_state(v4_checkpoint):
+    """Layer 3 (CSA) reuses layer 1's compressed KV and top-k: it holds no compressor state or entries, its
+    selection is layer 1's, and prefill (one pass) agrees with token-by-token decoding over the shared source."""
+    import dataclasses
+
+    from dhisparse.model.deepseek_v4.weights import load_state_dict
+    from dhisparse.model.loading import read_any_config
+
+    path = v4_checkpoint("v4_small_topk")
+    base = read_any_config(path)
+    cfg = dataclasses.replace(base, kv_source_layers=(0, 1, 2, 1), kv_source_shares_topk=(False, False, False, True))
+    cfg.validate()
+    weights = load_state_dict(path, cfg, torch.float64)
+    assert not any(k.startswith("model.layers.3.self_attn.compressor.") for k in weights)
+    model = DeepseekV4Model(cfg, weights, torch.float64, torch.device("cpu"))
+    prompt = random_prompts([29], cfg.vocab_size, seed=2)[0]
+    full = model.prefill(prompt, chunk_tokens=64, all_logits=True)
+    assert {layer for layer, _ in full.state.entries} == {1, 2}
+    state = model.new_state(64)
+    for t, token in enumerate(prompt):
+        step = V4StepKV([state], 1, model.device)
+        out = model.forward(torch.tensor([[token]]), None, step, record_selections=True)
+        step.commit()
+        torch.testing.assert_close(out.logits[0, -1].double(), full.all_logits[t].double(), rtol=1e-5, atol=1e-5)
+    assert out.selections[3] is out.selections[1]  # reused, not recomputed
+    assert not torch.equal(full.all_logits, DeepseekV4Model.from_checkpoint(path, torch.float64)
+                           .prefill(prompt, all_logits=True).all_logits)  # the reuse really changes the model
