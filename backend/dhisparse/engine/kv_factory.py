@@ -38,10 +38,23 @@ def default_hot_rows(model_cfg: ModelConfig, max_query_len: int) -> int:
 
 
 def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max_query_len: int):
-    from dhisparse.engine.v4_kv import V4DenseKVManager
-
-    if cfg.kv_policy != "dense":
-        raise ConfigError(f"kv_policy {cfg.kv_policy!r} does not serve deepseek_v4 models yet; use kv_policy='dense'")
+    """V4: ``dense`` keeps whole states; the hierarchy's policies hold CSA entries (``engine/v4_hierarchy.py``)."""
     if max_query_len != 1:
         raise ConfigError("speculative decoding does not serve deepseek_v4 models yet; unset 'speculative'")
-    return V4DenseKVManager(model_cfg, device, max_query_len)
+    if cfg.kv_policy == "dense":
+        from dhisparse.engine.v4_kv import V4DenseKVManager
+
+        return V4DenseKVManager(model_cfg, device, max_query_len)
+    if not model_cfg.csa_layers:
+        raise ConfigError(f"kv_policy {cfg.kv_policy!r}: this deepseek_v4 model has no compressed_sparse_attention "
+                          "layer, so nothing is selectable; use kv_policy='dense'")
+    from dhisparse.engine.v4_hierarchy import V4HierarchyKVManager
+    from dhisparse.kv import KVConfig
+
+    max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    kv_cfg = KVConfig(
+        policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows or model_cfg.index_topk * max_query_len,
+        page_rows=cfg.page_rows, reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
+        max_query_len=max_query_len,
+    )
+    return V4HierarchyKVManager(model_cfg, kv_cfg, cfg.torch_dtype, device, max_model_len)

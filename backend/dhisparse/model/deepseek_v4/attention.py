@@ -71,9 +71,9 @@ class V4Attention:
         if self.kind != SLIDING:
             if self.compressor is not None:
                 self.compressor(x, kv, rotary["compress"])
-            entries = kv.entries((self.source, "kv"), self.rate)  # [B, E, d]
             threshold = torch.div(positions + 1, self.rate, rounding_mode="floor")  # [B, Q]
             if self.kind == HCA:
+                entries = kv.entries((self.source, "kv"), self.rate)  # [B, E, d]
                 visible = torch.arange(entries.shape[1], device=x.device) < threshold.unsqueeze(-1)  # [B, Q, E]
                 logits.append(torch.einsum("bqhd,bed->bqhe", q, entries) * self.scaling)
                 masks.append(visible)
@@ -87,7 +87,7 @@ class V4Attention:
                     raise ValueError(f"layer {self.layer} reuses the top-k of layer {self.source}, which gave none")
                 else:
                     selection = shared_selection
-                picked = entries[torch.arange(b, device=x.device).view(-1, 1, 1), selection.clamp(min=0)]
+                picked = kv.gather_entries(self.layer, (self.source, "kv"), self.rate, selection)
                 logits.append(torch.einsum("bqhd,bqkd->bqhk", q, picked) * self.scaling)
                 masks.append(selection >= 0)
                 values.append(picked)

@@ -41,7 +41,8 @@ class Compressor:
         first = torch.div(kv.starts, rate, rounding_mode="floor")
         counts = torch.div(kv.lengths, rate, rounding_mode="floor") - first
         n_max = int(counts.max())
-        if n_max == 0:
+        if n_max == 0:  # still reported: a store may write a row for every new token
+            kv.add_entries(self.key, first, counts, x.new_zeros(x.shape[0], 0, self.dim))
             return
         device = x.device
         windows = first.unsqueeze(1) + torch.arange(n_max, device=device)  # [B, n]

@@ -138,6 +138,13 @@ class V4StepKV:
         e_max = int(self.lengths.max()) // rate
         return torch.stack([s.reserve(key, e_max)[:e_max] for s in self.stores])
 
+    def gather_entries(self, layer: int, key: Key, rate: int, selection: torch.Tensor) -> torch.Tensor:
+        """Entries ``[B, Q, K, d]`` of ``key`` at ``selection [B, Q, K]`` (−1: unused, any row returned there)
+        for ``layer`` (which may read another layer's source)."""
+        entries = self.entries(key, rate)
+        b_idx = torch.arange(entries.shape[0], device=entries.device).view(-1, 1, 1)
+        return entries[b_idx, selection.clamp(min=0)]
+
     # ------------------------------------------------------------------------------------------ commit
     def commit(self, accepted: list[int] | None = None) -> None:
         """Keep the state after the first ``accepted[b]`` new tokens (all ``Q`` by default)."""
