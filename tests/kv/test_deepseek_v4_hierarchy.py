@@ -1,0 +1,100 @@
+"""DeepSeek-V4 over the hierarchy: CSA compressed entries resolved like any selectable row, exact under every
+policy and tight pools (the dense V4 store is the reference; it matches transformers in
+``tests/model/test_deepseek_v4.py``), and shared KV sources resolved once per step."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from tiny_models import random_prompts
+from tiny_v4 import make_v4_checkpoint
+
+from dhisparse import LLM, SamplingParams
+from dhisparse.engine.v4_hierarchy import V4HierarchyKVManager
+
+PROMPTS = random_prompts([1, 13, 30, 45, 7], 97, seed=11)
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+
+POLICIES = {
+    "resident": dict(kv_policy="resident", pool_bytes=1 << 22),
+    "hisparse": dict(kv_policy="hisparse", pool_bytes=1 << 22, page_rows=4),
+    "adaptive_roomy": dict(kv_policy="adaptive", pool_bytes=1 << 22, page_rows=4),
+    "adaptive_tight": dict(kv_policy="adaptive", pool_bytes=250_000, page_rows=4),
+}
+
+
+@pytest.fixture(scope="module")
+def v4_engine(tiny_root):
+    from dhisparse_builder import BuildOptions, build_engine
+
+    def make(name: str, config_changes: dict | None = None):
+        suffix = "-".join(sorted(config_changes)) if config_changes else "plain"
+        out = tiny_root / f"engine-v4-{name}-{suffix}"
+        if out.exists():
+            return out
+        src = make_v4_checkpoint(tiny_root, name)
+        if config_changes:
+            edited = tiny_root / f"ckpt-v4-{name}-{suffix}"
+            shutil.rmtree(edited, ignore_errors=True)
+            shutil.copytree(src, edited)
+            raw = json.loads((edited / "config.json").read_text())
+            (edited / "config.json").write_text(json.dumps({**raw, **config_changes}))
+            src = edited
+        return build_engine(BuildOptions(src, out, {"dtype": "float64"}), progress=lambda d, t: None)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(v4_engine):
+    llm = LLM(v4_engine("v4_small_topk"), max_batch_size=8)
+    return [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_matches_the_dense_store(policy, v4_engine, dense_tokens):
+    llm = LLM(v4_engine("v4_small_topk"), max_batch_size=8, **POLICIES[policy])
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == dense_tokens
+    kv = llm.engine.kv
+    assert isinstance(kv, V4HierarchyKVManager)
+    kv.check_invariants()
+    stats = llm.stats()
+    assert stats["kv_resolved_rows"] > 0
+    if policy == "hisparse":
+        assert stats["kv_host_fetched_rows"] > 0  # selections really went to the host store
+    if policy == "adaptive_tight":
+        assert stats["kv_admissions_waited"] > 0  # the pool really was tight
+
+
+def test_shared_source_resolves_once_per_step(v4_engine):
+    """Layer 3 reuses layer 1's compressed KV and top-k: one hierarchy source, one resolution per step, and the
+    tokens of the same model served from the dense store, where the reuse reads the source's own entries."""
+    changes = {"kv_source_layers": [0, 1, 2, 1], "kv_source_shares_topk": [False, False, False, True]}
+    engine = v4_engine("v4_small_topk", changes)
+    expected = [o.token_ids for o in LLM(engine, max_batch_size=8).generate(PROMPTS, PARAMS)]
+    llm = LLM(engine, max_batch_size=8, kv_policy="hisparse", pool_bytes=1 << 22, page_rows=4)
+    kv = llm.engine.kv
+    assert kv.layout.num_sources == 1 and kv.layout.num_layers == 2
+    calls: list[int] = []
+    end_step = kv.end_step
+
+    def record(accepted):
+        calls.append(kv.step.inner.resolver_calls)
+        end_step(accepted)
+
+    kv.end_step = record
+    outs = llm.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in outs] == expected
+    assert calls and set(calls) == {1}  # two CSA layers, one source, one resolution per step
+    assert llm.stats()["kv_host_fetched_rows"] > 0
+
+
+def test_required_tail_is_reserved_per_request(v4_engine):
+    llm = LLM(v4_engine("v4_small_topk"), kv_policy="hisparse", pool_bytes=1 << 22, page_rows=4)
+    kv = llm.engine.kv
+    assert kv.inner.config.extra_required_bytes == kv.state_bytes > 0
+    out = llm.generate([PROMPTS[3]], PARAMS)[0]
+    assert out.stats["kv_window_bytes"] > 0 and out.stats["kv_csa_entries_bytes"] == 0  # entries live in the hierarchy
