@@ -98,3 +98,16 @@ def test_required_tail_is_reserved_per_request(v4_engine):
     assert kv.inner.config.extra_required_bytes == kv.state_bytes > 0
     out = llm.generate([PROMPTS[3]], PARAMS)[0]
     assert out.stats["kv_window_bytes"] > 0 and out.stats["kv_csa_entries_bytes"] == 0  # entries live in the hierarchy
+
+
+def test_adaptive_reclaims_optional_entries_and_stays_exact(v4_engine):
+    """Long prompts whose optional entry pages must be reclaimed for later admissions."""
+    engine = v4_engine("v4_small_topk")
+    prompts = random_prompts([300, 350, 280, 320, 9], 97, seed=11)
+    expected = [o.token_ids for o in LLM(engine, max_batch_size=8).generate(prompts, PARAMS)]
+    llm = LLM(engine, kv_policy="adaptive", max_batch_size=8, pool_bytes=250_000, page_rows=2, hot_rows=3,
+              max_model_len=400)
+    assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected
+    stats = llm.stats()
+    assert stats["kv_reclaim_events"] > 0 and stats["kv_rows_host"] > 0 and stats["kv_rows_direct"] > 0
+    llm.engine.kv.check_invariants()

@@ -12,10 +12,12 @@ What goes where:
   compressors' pending projections, the CSA indexer keys and HCA's entries (small: one per 128 tokens). Their
   bytes are reserved per request (``extra_required_bytes``), bounded by ``max_model_len``.
 
-Entry ``w`` of a CSA source is stored at token position ``w·rate + rate − 1`` (the token that completes its
-window), so the hierarchy's per-token positions, pages and tail work unchanged; the other ``rate − 1`` positions
-of each window hold zero rows that are never selected. That costs ``rate``× the host and optional-page memory
-of a dense entry index (4× for V4's CSA) — the simple, exact first version; see ``docs/deepseek_v4.md``.
+Positions: the hierarchy of a request counts compressed entries, not tokens — entry ``w`` of a CSA source is
+row ``w + 1`` (row 0 is a zero row, so a prompt shorter than one window still imports one row). Each decode
+step opens a hierarchy step of one row per request: the compressor's entry when the new token completes a
+window (accepted), else a zero row that ``end_step`` rolls back (accepted 0) — the same rollback speculative
+verification uses. So host store, pages, hot cache and tail hold exactly one row per compressed entry.
+Speculative steps (``Q > 1``) are not supported on V4 yet.
 """
 
 from __future__ import annotations
@@ -53,11 +55,20 @@ def tail_state_bytes(cfg: DeepseekV4Config, dtype: torch.dtype, max_model_len: i
     return total
 
 
+def entry_rows(prompt_len: int, max_new_tokens: int, rate: int) -> tuple[int, int]:
+    """The hierarchy's ``(prompt rows, max new rows)`` for a request of ``prompt_len`` + ``max_new_tokens``
+    tokens: entries complete in the prompt + the zero row 0; at most ``ceil(max_new / rate)`` more entries plus
+    the provisional row of the last step."""
+    return prompt_len // rate + 1, -(-max_new_tokens // rate) + 1
+
+
 class V4HierarchyStepKV(V4StepKV):
-    """A step whose CSA entries are written to and gathered from the hierarchy's step."""
+    """A step whose CSA entries are written to and gathered from the hierarchy's step (one row per request)."""
 
     def __init__(self, stores: list[V4RequestKV], query_len: int, device: torch.device, inner: StepKV,
                  kv_layer: dict[int, int]) -> None:
+        if query_len != 1:
+            raise ValueError("deepseek_v4 over the hierarchy decodes one token per step (no speculation yet)")
         super().__init__(stores, query_len, device)
         self.inner, self.kv_layer = inner, kv_layer
 
@@ -68,32 +79,27 @@ class V4HierarchyStepKV(V4StepKV):
         if not self._in_hierarchy(key):
             super().add_entries(key, first, counts, entries)
             return
-        layer = key[0]
-        rate = self.stores[0].cfg.compress_rate(layer)
-        b, q = len(self.stores), self.query_len
-        rows = entries.new_zeros(b, q, entries.shape[-1])
-        n = entries.shape[1]
-        if n:
-            j = torch.arange(n, device=self.device)
-            offset = (first.unsqueeze(1) + j) * rate + rate - 1 - self.starts.unsqueeze(1)  # [B, n]
-            valid = j < counts.unsqueeze(1)
-            b_idx = torch.arange(b, device=self.device).unsqueeze(1).expand(-1, n)
-            rows[b_idx[valid], offset[valid]] = entries[valid]
-        self.inner.write(self.kv_layer[layer], rows, None)
+        b = len(self.stores)
+        rows = entries.new_zeros(b, 1, entries.shape[-1])
+        if entries.shape[1]:
+            rows[:, 0] = entries[:, 0].masked_fill((counts == 0).unsqueeze(-1), 0)
+        self.inner.write(self.kv_layer[key[0]], rows, None)
 
     def gather_entries(self, layer: int, key: Key, rate: int, selection: torch.Tensor) -> torch.Tensor:
         if not self._in_hierarchy(key):
             return super().gather_entries(layer, key, rate, selection)
-        positions = torch.where(selection >= 0, selection * rate + rate - 1, torch.full_like(selection, -1))
+        positions = torch.where(selection >= 0, selection + 1, torch.full_like(selection, -1))
         return self.inner.gather(self.kv_layer[layer], positions)
 
 
 class V4HierarchyKVManager:
-    """Manager interface of ``dhisparse.kv.KVManager`` for a V4 model (see the module docstring)."""
+    """Manager interface of ``dhisparse.kv.KVManager`` for a V4 model (see the module docstring); admission
+    and budgets are the inner manager's, in entry rows."""
 
     def __init__(self, cfg: DeepseekV4Config, kv_config: KVConfig, dtype: torch.dtype, device: torch.device,
                  max_model_len: int) -> None:
         self.cfg, self.device = cfg, device
+        self.rate = cfg.compress_rate_csa
         self.layout, self.kv_layer = csa_layout(cfg, dtype)
         self.state_bytes = tail_state_bytes(cfg, dtype, max_model_len)
         kv_config = KVConfig(**{**kv_config.__dict__,
@@ -105,40 +111,41 @@ class V4HierarchyKVManager:
         self._step_ids: list[str] = []
 
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
-        return self.inner.never_admissible(prompt_len, max_new_tokens)
+        return self.inner.never_admissible(*entry_rows(prompt_len, max_new_tokens, self.rate))
 
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
-        return self.inner.try_admit(request_id, prompt_len, max_new_tokens)
+        return self.inner.try_admit(request_id, *entry_rows(prompt_len, max_new_tokens, self.rate))
 
     def import_prompt(self, request_id: str, rows: V4RequestKV, index_keys: dict[int, torch.Tensor]) -> None:
-        """Move the prefilled state's CSA entries into the hierarchy (at their completing positions); keep the
-        rest as the request's required tail."""
+        """Move the prefilled state's CSA entries into the hierarchy (rows ``1 … E``); keep the rest of the
+        state as the request's required tail."""
         state = rows
         if not isinstance(state, V4RequestKV):
             raise TypeError("a deepseek_v4 request imports the V4RequestKV its prefill produced")
-        t = state.length
-        sources = torch.zeros(self.layout.num_sources, t, self.cfg.head_dim, dtype=self.layout.dtype,
+        n = state.length // self.rate
+        sources = torch.zeros(self.layout.num_sources, n + 1, self.cfg.head_dim, dtype=self.layout.dtype,
                               device=self.device)
         for layer, k in self.kv_layer.items():
-            if self.cfg.source_of(layer) != layer:
-                continue
-            rate = self.cfg.compress_rate(layer)
-            n = t // rate
-            sources[self.layout.source_of_layer[k], rate - 1:n * rate:rate] = state.entries.pop((layer, "kv"))[:n]
+            if self.cfg.source_of(layer) == layer:
+                sources[self.layout.source_of_layer[k], 1:] = state.entries.pop((layer, "kv"))[:n]
         self.inner.import_prompt(request_id, sources, {})
         self.states[request_id] = state
 
     def begin_step(self, request_ids: list[str], query_len: int) -> V4HierarchyStepKV:
-        inner = self.inner.begin_step(request_ids, query_len)
+        inner = self.inner.begin_step(request_ids, 1)
         self.step = V4HierarchyStepKV([self.states[r] for r in request_ids], query_len, self.device, inner,
                                       self.kv_layer)
         self._step_ids = list(request_ids)
         return self.step
 
     def end_step(self, accepted: dict[str, int]) -> None:
-        assert self.step is not None
-        self.step.commit([accepted.get(r, self.step.query_len) for r in self._step_ids])
-        self.inner.end_step(accepted)
+        """Commit the tokens; the hierarchy keeps its provisional row where a window completed."""
+        step = self.step
+        assert step is not None
+        before = [s.length // self.rate for s in step.stores]
+        step.commit([accepted.get(r, step.query_len) for r in self._step_ids])
+        self.inner.end_step({r: s.length // self.rate - b for r, s, b in zip(self._step_ids, step.stores, before,
+                                                                             strict=True)})
         self.step = None
 
     def release(self, request_id: str) -> None:
