@@ -41,17 +41,18 @@ def csa_layout(cfg: DeepseekV4Config, dtype: torch.dtype) -> tuple[KVLayout, dic
     return layout, {layer: k for k, layer in enumerate(csa)}
 
 
-def tail_state_bytes(cfg: DeepseekV4Config, dtype: torch.dtype, max_model_len: int) -> int:
-    """Device bytes of one request's required V4 state at ``max_model_len`` tokens: window rows, compressor
-    pending projections, CSA indexer keys and HCA entries (CSA KV entries excluded: they are in the hierarchy)."""
-    item = dtype.itemsize
-    total = cfg.num_hidden_layers * (cfg.sliding_window - 1) * cfg.head_dim * item
+def tail_state_bytes(cfg: DeepseekV4Config, max_model_len: int, *, row_bytes: int, index_key_bytes: int,
+                     pending_value_bytes: int) -> int:
+    """Device bytes of one request's required V4 state at ``max_model_len`` tokens: window rows (``W - 1`` per
+    layer), compressor pending projections, CSA indexer keys and HCA entries (CSA KV entries excluded: they are
+    in the hierarchy). Byte sizes are arguments so the planner can price the FP8 serving layout."""
+    total = cfg.num_hidden_layers * (cfg.sliding_window - 1) * row_bytes
     for (layer, kind), (rate, pending, width) in state_keys(cfg).items():
-        total += 2 * pending * width * item
+        total += 2 * pending * width * pending_value_bytes
         if kind == "index":
-            total += (max_model_len // rate) * cfg.index_head_dim * item
+            total += (max_model_len // rate) * index_key_bytes
         elif cfg.layer_types[layer] != CSA:
-            total += (max_model_len // rate) * cfg.head_dim * item
+            total += (max_model_len // rate) * row_bytes
     return total
 
 
@@ -101,7 +102,9 @@ class V4HierarchyKVManager:
         self.cfg, self.device = cfg, device
         self.rate = cfg.compress_rate_csa
         self.layout, self.kv_layer = csa_layout(cfg, dtype)
-        self.state_bytes = tail_state_bytes(cfg, dtype, max_model_len)
+        item = dtype.itemsize
+        self.state_bytes = tail_state_bytes(cfg, max_model_len, row_bytes=cfg.head_dim * item,
+                                            index_key_bytes=cfg.index_head_dim * item, pending_value_bytes=item)
         kv_config = KVConfig(**{**kv_config.__dict__,
                                 "extra_required_bytes": kv_config.extra_required_bytes + self.state_bytes})
         self.inner = KVManager(self.layout, kv_config, device)
