@@ -16,7 +16,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
     staging) that the budget must count as required memory."""
     device = torch.device(cfg.device)
     if getattr(model_cfg, "model_type", None) == "deepseek_v4":
-        return _deepseek_v4_manager(model_cfg, cfg, device, max_query_len)
+        return _deepseek_v4_manager(model_cfg, cfg, device, max_query_len, extra_required_bytes)
     if cfg.kv_policy == "dense":
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
     from dhisparse.kv import KVConfig, KVLayout, KVManager
@@ -37,10 +37,9 @@ def default_hot_rows(model_cfg: ModelConfig, max_query_len: int) -> int:
     return model_cfg.index_topk * max_query_len
 
 
-def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max_query_len: int):
+def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max_query_len: int,
+                         extra_required_bytes: int):
     """V4: ``dense`` keeps whole states; the hierarchy's policies hold CSA entries (``engine/v4_hierarchy.py``)."""
-    if max_query_len != 1:
-        raise ConfigError("speculative decoding does not serve deepseek_v4 models yet; unset 'speculative'")
     if cfg.kv_policy == "dense":
         from dhisparse.engine.v4_kv import V4DenseKVManager
 
@@ -55,6 +54,6 @@ def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max
     kv_cfg = KVConfig(
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows or model_cfg.index_topk * max_query_len,
         page_rows=cfg.page_rows, reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
-        max_query_len=max_query_len,
+        max_query_len=-(-max_query_len // model_cfg.compress_rate_csa), extra_required_bytes=extra_required_bytes,
     )
     return V4HierarchyKVManager(model_cfg, kv_cfg, cfg.torch_dtype, device, max_model_len)

@@ -10,7 +10,7 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.request import RequestOutput, RequestUpdate
 from dhisparse.engine.sampling import SamplingParams
-from dhisparse.errors import CheckpointError, ConfigError
+from dhisparse.errors import CheckpointError
 from dhisparse.model.loading import build_model, load_any_state_dict, read_any_config
 
 
@@ -33,8 +33,6 @@ class LLM:
         device = torch.device(self.config.device)
         model = build_model(model_cfg, weights, self.config.torch_dtype, device)
         speculator = None
-        if self.config.speculative and getattr(model_cfg, "model_type", None) == "deepseek_v4":
-            raise ConfigError("speculative decoding does not serve deepseek_v4 models yet; unset 'speculative'")
         if self.config.speculative:
             from dhisparse.spec.speculator import Speculator
 

@@ -17,7 +17,8 @@ row ``w + 1`` (row 0 is a zero row, so a prompt shorter than one window still im
 step opens a hierarchy step of one row per request: the compressor's entry when the new token completes a
 window (accepted), else a zero row that ``end_step`` rolls back (accepted 0) — the same rollback speculative
 verification uses. So host store, pages, hot cache and tail hold exactly one row per compressed entry.
-Speculative steps (``Q > 1``) are not supported on V4 yet.
+A verification step of ``Q`` tokens opens ``ceil(Q / rate)`` rows per request (at most that many windows
+complete) and keeps those completed by the accepted tokens.
 """
 
 from __future__ import annotations
@@ -64,12 +65,10 @@ def entry_rows(prompt_len: int, max_new_tokens: int, rate: int) -> tuple[int, in
 
 
 class V4HierarchyStepKV(V4StepKV):
-    """A step whose CSA entries are written to and gathered from the hierarchy's step (one row per request)."""
+    """A step whose CSA entries are written to and gathered from the hierarchy's step."""
 
     def __init__(self, stores: list[V4RequestKV], query_len: int, device: torch.device, inner: StepKV,
                  kv_layer: dict[int, int]) -> None:
-        if query_len != 1:
-            raise ValueError("deepseek_v4 over the hierarchy decodes one token per step (no speculation yet)")
         super().__init__(stores, query_len, device)
         self.inner, self.kv_layer = inner, kv_layer
 
@@ -80,10 +79,12 @@ class V4HierarchyStepKV(V4StepKV):
         if not self._in_hierarchy(key):
             super().add_entries(key, first, counts, entries)
             return
-        b = len(self.stores)
-        rows = entries.new_zeros(b, 1, entries.shape[-1])
-        if entries.shape[1]:
-            rows[:, 0] = entries[:, 0].masked_fill((counts == 0).unsqueeze(-1), 0)
+        b, m, n = len(self.stores), self.inner.query_len, entries.shape[1]
+        if n > m:
+            raise RuntimeError(f"{n} entries completed in one step; the hierarchy step holds {m}")
+        rows = entries.new_zeros(b, m, entries.shape[-1])
+        valid = torch.arange(n, device=self.device) < counts.unsqueeze(1)  # [B, n]
+        rows[:, :n] = entries.masked_fill(~valid.unsqueeze(-1), 0)
         self.inner.write(self.kv_layer[key[0]], rows, None)
 
     def gather_entries(self, layer: int, key: Key, rate: int, selection: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,7 @@ class V4HierarchyKVManager:
         self.states[request_id] = state
 
     def begin_step(self, request_ids: list[str], query_len: int) -> V4HierarchyStepKV:
-        inner = self.inner.begin_step(request_ids, 1)
+        inner = self.inner.begin_step(request_ids, -(-query_len // self.rate))  # entries one step may complete
         self.step = V4HierarchyStepKV([self.states[r] for r in request_ids], query_len, self.device, inner,
                                       self.kv_layer)
         self._step_ids = list(request_ids)
