@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from tiny_models import random_prompts
 from tiny_v4 import make_v4_checkpoint
 
@@ -111,3 +112,35 @@ def test_adaptive_reclaims_optional_entries_and_stays_exact(v4_engine):
     stats = llm.stats()
     assert stats["kv_reclaim_events"] > 0 and stats["kv_rows_host"] > 0 and stats["kv_rows_direct"] > 0
     llm.engine.kv.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["hisparse", "adaptive"])
+def test_verification_steps_with_partial_acceptance_stay_exact(policy, v4_engine, dense_tokens):
+    """Steps of Q = 5 tokens (the true continuation as drafts), keeping 1..5 of them in a varying pattern: two
+    compressed entries may complete in one step and those of rejected tokens are rolled back. Every kept
+    position's argmax must be the reference's next token."""
+    from dhisparse.kv import KVConfig
+
+    llm = LLM(v4_engine("v4_small_topk"), kv_policy="dense")
+    model, cfg, q = llm.engine.model, llm.engine.model.cfg, 5
+    kv = V4HierarchyKVManager(cfg, KVConfig(policy=policy, pool_bytes=1 << 22, hot_rows=cfg.index_topk * q,
+                                            page_rows=2, max_query_len=2), model.dtype, model.device, 128)
+    sequences = [p + t for p, t in zip(PROMPTS, dense_tokens, strict=True)]
+    done = []
+    for i, p in enumerate(PROMPTS):
+        assert kv.try_admit(f"r{i}", len(p), PARAMS.max_tokens + q)
+        kv.import_prompt(f"r{i}", model.prefill(p, chunk_tokens=7).state, {})
+        done.append(len(p))
+    step = 0
+    while min(len(s) - d for s, d in zip(sequences, done, strict=True)) > q:
+        ids = [f"r{i}" for i in range(len(PROMPTS))]
+        tokens = torch.tensor([s[d:d + q] for s, d in zip(sequences, done, strict=True)])
+        out = model.forward(tokens, None, kv.begin_step(ids, q), all_logits=True)
+        keep = [(step + b) % q + 1 for b in range(len(ids))]
+        for b, (s, d) in enumerate(zip(sequences, done, strict=True)):
+            assert out.logits[b, :keep[b]].argmax(-1).tolist() == s[d + 1:d + 1 + keep[b]]
+        kv.end_step(dict(zip(ids, keep, strict=True)))
+        done = [d + k for d, k in zip(done, keep, strict=True)]
+        step += 1
+        kv.check_invariants()
+    assert step >= 3 and kv.stats()["kv_resolved_rows"] > 0
