@@ -142,6 +142,10 @@ def load_state_dict(
     for done, (name, shape) in enumerate(expected.items(), start=1):
         tensor = _fetch(name, shape, found, problems)
         if tensor is not None:
+            if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                problems.append(f"{name}: stored as {tensor.dtype} (block-scaled FP8); dequantise the checkpoint "
+                                "first — FP8 weights with scale tensors are not read")
+                continue
             if _INTEGER.search(name):
                 tensor = tensor.to(torch.int64)
                 if bool(((tensor < 0) | (tensor >= cfg.n_routed_experts)).any()):
