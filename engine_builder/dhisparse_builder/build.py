@@ -57,11 +57,8 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
     output = opts.output
     if output.exists() and not opts.force:
         raise CheckpointError(f"{output} already exists; pass --force to overwrite it")
+    runtime = EngineConfig().with_overrides(**opts.runtime)  # validates the options before the long work
     cfg = read_any_config(opts.checkpoint)
-    overrides = dict(opts.runtime)
-    if cfg.model_type == "deepseek_v4":  # the hierarchy's policies do not serve V4 yet
-        overrides.setdefault("kv_policy", "dense")
-    runtime = EngineConfig().with_overrides(**overrides)  # validates the options before the long work
     weights = load_any_state_dict(opts.checkpoint, cfg, runtime.torch_dtype,
                               progress=progress or _stderr_progress("converting"))
     output.parent.mkdir(parents=True, exist_ok=True)

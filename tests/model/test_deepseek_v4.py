@@ -97,12 +97,11 @@ def test_engine_build_and_llm_generate_match_transformers(v4_checkpoint, tiny_ro
     ref = load_v4_reference(path)
     prompts = random_prompts([9, 22], ref.config.vocab_size, seed=5)
     expected = [_reference_greedy(ref, p, 12) for p in prompts]
-    llm = LLM(engine, max_batch_size=4)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-    assert [o.token_ids for o in outs] == expected
-    assert outs[0].stats["kv_csa_entries_bytes"] > 0
-    with pytest.raises(ValueError, match="kv_policy 'adaptive' does not serve deepseek_v4"):
-        LLM(engine, kv_policy="adaptive")
+    for policy in ("dense", "adaptive"):  # the reference store; the engine's default policy
+        llm = LLM(engine, max_batch_size=4, kv_policy=policy)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        assert [o.token_ids for o in outs] == expected
+    assert outs[0].stats["kv_window_bytes"] > 0
 
 
 def test_shared_kv_source_layers_read_the_source_and_keep_no_state(v4_checkpoint):
