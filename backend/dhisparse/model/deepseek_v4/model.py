@@ -21,8 +21,8 @@ from dhisparse.model.deepseek_v4.weights import load_state_dict
 
 @dataclass
 class V4ForwardOutput:
-    """``logits [B, Q or 1, vocab]`` float32; ``hidden {layer: [B, Q, hidden]}`` (the collapsed input of the
-    next layer's attention is not exposed: these are the streams' mean); ``selections {layer: [B, Q, K]}``."""
+    """``logits [B, Q or 1, vocab]`` float32; ``hidden {layer: [B, Q, hidden]}``: the mean of that layer's
+    ``hc_mult`` output streams (the feature drafters read); ``selections {layer: [B, Q, K]}`` CSA entries."""
 
     logits: torch.Tensor
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
