@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from tiny_v4 import make_v4_checkpoint
 
@@ -57,8 +58,21 @@ def test_missing_and_misshaped_tensors_are_all_listed(tiny_root):
     save_file(tensors, str(bad / "model.safetensors"))
     cfg = read_any_config(bad)
     with pytest.raises(CheckpointError) as err:
-        load_any_state_dict(bad, cfg, cfg and __import__("torch").float32)
+        load_any_state_dict(bad, cfg, torch.float32)
     text = str(err.value)
     assert "model.layers.1.self_attn.compressor.indexer.position_bias: missing" in text
     assert "model.hc_head.hc_fn: missing" in text
     assert "model.layers.2.self_attn.sinks: shape [2], expected [4]" in text
+
+
+def test_fp8_weights_are_refused_by_name(tiny_root):
+    src = make_v4_checkpoint(tiny_root, "v4_small_topk", original_format=False)
+    bad = tiny_root / "v4_fp8"
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(src, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{name}: stored as torch.float8_e4m3fn"):
+        load_any_state_dict(bad, read_any_config(bad), torch.float32)
