@@ -176,3 +176,8 @@ def test_verification_steps_with_partial_acceptance_stay_exact(policy, v4_engine
         step += 1
         kv.check_invariants()
     assert step >= 4 and kv.stats()["kv_resolved_rows"] > 0
+
+
+def test_never_admissible_names_the_v4_state(v4_engine):
+    with pytest.raises(ValueError, match=r"prompt 45 \+ max_new_tokens 12 tokens, of which \d+ are the deepseek_v4"):
+        LLM(v4_engine("v4_small_topk"), kv_policy="hisparse", pool_bytes=20_000).generate([PROMPTS[3]], PARAMS)

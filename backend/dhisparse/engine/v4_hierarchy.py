@@ -114,8 +114,19 @@ class V4HierarchyKVManager:
         self.step: V4HierarchyStepKV | None = None
         self._step_ids: list[str] = []
 
+    def required_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Device bytes a request reserves at admission (entry rows in the hierarchy + the V4 tail)."""
+        return self.inner.required_bytes(*entry_rows(prompt_len, max_new_tokens, self.rate))
+
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
-        return self.inner.never_admissible(*entry_rows(prompt_len, max_new_tokens, self.rate))
+        if self.inner.never_admissible(*entry_rows(prompt_len, max_new_tokens, self.rate)) is None:
+            return None
+        cfg = self.inner.config
+        return (f"the request needs {self.required_bytes(prompt_len, max_new_tokens)} device bytes ({cfg.policy}: "
+                f"prompt {prompt_len} + max_new_tokens {max_new_tokens} tokens, of which {self.state_bytes} are the "
+                f"deepseek_v4 window/compressor/indexer-key/HCA state bounded by max_model_len) but pool_bytes "
+                f"{cfg.pool_bytes} - reserve_bytes {cfg.reserve_bytes} leaves {cfg.pool_bytes - cfg.reserve_bytes}; "
+                "raise pool_bytes, or lower reserve_bytes, max_new_tokens or max_model_len")
 
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         return self.inner.try_admit(request_id, *entry_rows(prompt_len, max_new_tokens, self.rate))
