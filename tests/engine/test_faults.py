@@ -179,7 +179,9 @@ def test_fault_injection_spec_is_validated(spec):
 def test_offline_generate_reports_the_failed_request(engine_dir, prompts, reference):
     llm = LLM(engine_dir, kv_policy="adaptive", page_rows=8, prefill_chunk_tokens=16,
               fault_injection="prefill_chunk@4")  # the second prompt's first chunk (the first has 3)
-    outs = llm.generate(prompts[:3], PARAMS)
+    with pytest.raises(RequestFailedError, match="1 of 3 requests failed") as failure:
+        llm.generate(prompts[:3], PARAMS)
+    outs = failure.value.outputs
     assert [o.finish_reason for o in outs] == ["length", "error", "length"]
     assert "injected fault at prefill_chunk" in outs[1].error
     assert outs[0].token_ids == reference[0] and outs[2].token_ids == reference[2]

@@ -15,7 +15,7 @@ import torch
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.errors import ConfigError
+from dhisparse.errors import ConfigError, RequestFailedError
 from dhisparse.kernels import selection
 from dhisparse.kernels.selection import KernelSelection
 from dhisparse.kernels.torch_kernels import TorchKernels
@@ -96,8 +96,9 @@ def test_device_path_reports_a_hot_cache_overflow_when_the_copy_completes(tiny_e
     llm = LLM(engine_dir, kv_policy="hisparse", page_rows=4)
     llm.engine.kv.kernels = KernelSelection("cuda", kernels, "test stand-in")
     prompt = random_prompts([40], 96, seed=4)[0]
-    out = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    # The engine's fault isolation ends the request with the overflow's message instead of raising.
+    with pytest.raises(RequestFailedError) as failure:  # the engine ends the request with the overflow's message
+        llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = failure.value.outputs[0]
     assert out.finish_reason == "error"
     assert HotCacheOverflowError.__name__ in out.error and "resolver kernel" in out.error
 

@@ -6,6 +6,7 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.dense_kv import DenseKVManager
+from dhisparse.errors import ConfigError
 from dhisparse.model.config import ModelConfig
 
 
@@ -18,6 +19,8 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
     device = torch.device(cfg.device)
     # Decided (and on a GPU self-checked) before anything serves; an impossible kernels='cuda' fails here.
     kernels = selection.select_kernels(cfg.kernels, device)
+    if getattr(model_cfg, "model_type", None) == "deepseek_v4":  # torch path only (see docs/deepseek_v4.md)
+        return _deepseek_v4_manager(model_cfg, cfg, device, max_query_len, extra_required_bytes)
     if cfg.kv_policy == "dense":  # the reference store: always torch
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
     from dhisparse.kv import KVConfig, KVLayout, KVManager
@@ -36,3 +39,25 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
 def default_hot_rows(model_cfg: ModelConfig, max_query_len: int) -> int:
     """Hot-cache rows per source: room for the union of all verification queries' selections."""
     return model_cfg.index_topk * max_query_len
+
+
+def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max_query_len: int,
+                         extra_required_bytes: int):
+    """V4: ``dense`` keeps whole states; the hierarchy's policies hold CSA entries (``engine/v4_hierarchy.py``)."""
+    if cfg.kv_policy == "dense":
+        from dhisparse.engine.v4_kv import V4DenseKVManager
+
+        return V4DenseKVManager(model_cfg, device, max_query_len)
+    if not model_cfg.csa_layers:
+        raise ConfigError(f"kv_policy {cfg.kv_policy!r}: this deepseek_v4 model has no compressed_sparse_attention "
+                          "layer, so nothing is selectable; use kv_policy='dense'")
+    from dhisparse.engine.v4_hierarchy import V4HierarchyKVManager
+    from dhisparse.kv import KVConfig
+
+    max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    kv_cfg = KVConfig(
+        policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows or model_cfg.index_topk * max_query_len,
+        page_rows=cfg.page_rows, reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
+        max_query_len=-(-max_query_len // model_cfg.compress_rate_csa), extra_required_bytes=extra_required_bytes,
+    )
+    return V4HierarchyKVManager(model_cfg, kv_cfg, cfg.torch_dtype, device, max_model_len)

@@ -92,12 +92,15 @@ class LLMEngine:
         self.staging = None
         extra = 0
         if speculator is not None:
-            groups = mcfg.index_groups
-            self.staging = VerificationStaging(
-                max(len(g) for g in groups), cfg.max_batch_size, self.query_len,
-                min(mcfg.index_topk, self.max_model_len), mcfg.row_dim, cfg.torch_dtype, torch.device(cfg.device))
-            self._staging_slot = tuple(g.index(i) for g in groups for i in g)
-            extra = speculator.ring_bytes_per_request + self.staging.bytes_per_request()
+            extra = speculator.ring_bytes_per_request
+            if hasattr(mcfg, "index_groups"):  # DSA families; deepseek_v4 verifies without staging (yet)
+                groups = mcfg.index_groups
+                self.staging = VerificationStaging(
+                    max(len(g) for g in groups), cfg.max_batch_size, self.query_len,
+                    min(mcfg.index_topk, self.max_model_len), mcfg.row_dim, cfg.torch_dtype,
+                    torch.device(cfg.device))
+                self._staging_slot = tuple(g.index(i) for g in groups for i in g)
+                extra += self.staging.bytes_per_request()
         self.spec_bytes_per_request = extra
         self.kv = make_kv_manager(mcfg, cfg, self.query_len, extra_required_bytes=extra)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -314,7 +317,7 @@ class LLMEngine:
     def _speculative_decode(self, updates: list[RequestUpdate]) -> None:
         """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance."""
         spec, batch, dev = self.spec, self.running, self.model.device
-        assert spec is not None and self.staging is not None
+        assert spec is not None
         slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
         sampling = self._batch_sampling(batch)
@@ -326,7 +329,9 @@ class LLMEngine:
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
         base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
-        step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
+        step_kv = self.kv.begin_step([r.request_id for r in batch], q_len)
+        if self.staging is not None:
+            step_kv = self.staging.wrap(step_kv, self._staging_slot)
         step_kv = self._faulty(step_kv, "verify_forward")
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
         logits = sampling.process(out.logits, draft)  # the same processing as the plain path, per position
@@ -469,7 +474,7 @@ class LLMEngine:
         out.update(self.kv.stats())
         if self.spec is not None:
             out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
-            out["spec_staging_bytes_per_request"] = float(self.staging.bytes_per_request())
+            out["spec_staging_bytes_per_request"] = float(self.staging.bytes_per_request() if self.staging else 0)
             proposed = out.get("draft_tokens_proposed", 0.0)
             out["draft_acceptance_rate"] = out.get("draft_tokens_accepted", 0.0) / proposed if proposed else 0.0
             steps = out.get("verify_rows", 0.0)
