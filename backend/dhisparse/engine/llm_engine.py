@@ -18,7 +18,6 @@ from dhisparse.errors import InvalidRequestError
 from dhisparse.model.model import DSAModel
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.speculator import Speculator
-from dhisparse.spec.staging import VerificationStaging
 
 
 class BatchSampling(NamedTuple):
@@ -58,17 +57,8 @@ class LLMEngine:
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or self.max_model_len
         self.eos_token_ids = set(mcfg.eos_token_id)
         self.query_len = 1 + (speculator.gamma if speculator else 0)
-        self.staging = None
-        extra = 0
-        if speculator is not None:
-            groups = mcfg.index_groups
-            self.staging = VerificationStaging(
-                max(len(g) for g in groups), cfg.max_batch_size, self.query_len,
-                min(mcfg.index_topk, self.max_model_len), mcfg.row_dim, cfg.torch_dtype, torch.device(cfg.device))
-            self._staging_slot = tuple(g.index(i) for g in groups for i in g)
-            extra = speculator.ring_bytes_per_request + self.staging.bytes_per_request()
-        self.spec_bytes_per_request = extra
-        self.kv = make_kv_manager(mcfg, cfg, self.query_len, extra_required_bytes=extra)
+        ring = speculator.ring_bytes_per_request if speculator is not None else 0
+        self.kv = make_kv_manager(mcfg, cfg, self.query_len, draft_ring_bytes=ring)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -205,7 +195,7 @@ class LLMEngine:
     def _speculative_decode(self, updates: list[RequestUpdate]) -> None:
         """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance."""
         spec, batch, dev = self.spec, self.running, self.model.device
-        assert spec is not None and self.staging is not None
+        assert spec is not None
         slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
         sampling = BatchSampling.of(batch, dev)
@@ -216,7 +206,7 @@ class LLMEngine:
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
         base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
-        step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
+        step_kv = self.kv.begin_step([r.request_id for r in batch], q_len)
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
         accepted, next_tokens = self._accept(sampling, out.logits, draft, q_draft, lengths)
         kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
@@ -304,7 +294,7 @@ class LLMEngine:
         out.update(self.kv.stats())
         if self.spec is not None:
             out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
-            out["spec_staging_bytes_per_request"] = float(self.staging.bytes_per_request())
+            out["spec_staging_bytes_per_request"] = float(self.kv.staging_overflow_bytes_per_request)
             proposed = out.get("draft_tokens_proposed", 0.0)
             out["draft_acceptance_rate"] = out.get("draft_tokens_accepted", 0.0) / proposed if proposed else 0.0
             steps = out.get("verify_rows", 0.0)
