@@ -37,7 +37,7 @@ class _Resolved:
     resolution: Resolution
     ticket: CopyTicket | None  # host→device copies of the misses (None if nothing missed)
     staging_slot: int
-    staged: bool  # some row lives in the staging slot
+    staged: bool  # rows may live in the staging slot
 
 
 class StepKV:
@@ -148,8 +148,8 @@ class StepKV:
             assert entry is not None
         m.copies.wait(entry.ticket)
         loc = entry.resolution.locations.view_as(positions)
-        rows = m.pool.arena[loc.clamp(min=0)]
-        return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
+        rows = m.pool.arena[loc.clamp(min=0)]  # the one gather: arena pages, hot slots and staging alike
+        return rows.masked_fill_((loc < 0).unsqueeze(-1), 0)
 
     def _lookup(self, source: int, positions: torch.Tensor) -> _Resolved | None:
         entry = self._resolved.get(source)
@@ -171,8 +171,10 @@ class StepKV:
         self.hot_stamp[:, source] = res.hot_stamp
         self.counts += res.counts
         self.staged += res.staged
-        staged = bool(res.staged.any())
-        if staged:  # the slot's previous rows are overwritten: their entry must not be reused
+        # With staging, the slot's previous rows may be overwritten: their entry must not be reused (decided from
+        # the configuration, not from this resolution's counts, so that it costs no host sync).
+        staged = staging is not None
+        if staged:
             stale = [s for s, e in self._resolved.items() if e.staged and e.staging_slot == slot and s != source]
             for s in stale:
                 del self._resolved[s]
