@@ -133,4 +133,5 @@ def resolve(
         copy_slot=copy_slot[copy_rows, copy_cols],
         copy_location=copy_location[copy_rows, copy_cols],
         counts=summary[:, 3:6].to(torch.int64),
+        staged=torch.zeros(num_requests, dtype=torch.int64),  # the native port has no staging overflow (yet)
     )

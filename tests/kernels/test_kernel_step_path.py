@@ -111,23 +111,3 @@ def test_the_engine_selects_torch_on_cpu_and_refuses_cuda_kernels(tiny_engine) -
         LLM(engine_dir, kernels="cuda", kv_policy="dense")
     stats = LLM(engine_dir, kv_policy="adaptive").stats()
     assert stats["kv_kernels_cuda"] == 0.0 and stats["kv_kernels_fallback"] == 0.0
-
-
-def test_verification_staging_hands_attention_to_the_inner_step() -> None:
-    """On the device, verification attends over the arena by location (no staging copy); without device
-    kernels the staged step has no attention of its own and the model gathers through the staging buffer."""
-    from dhisparse.engine.dense_kv import DenseStepKV
-    from dhisparse.spec.staging import VerificationStaging
-
-    staging = VerificationStaging(2, 1, 3, 4, 8, torch.float32, torch.device("cpu"))
-
-    class Inner:
-        lengths = torch.tensor([5])
-
-        def attend(self, layer, positions, q_lat, q_pe, softmax_scale):
-            return ("attended", layer, softmax_scale)
-
-    assert staging.wrap(Inner(), (0, 1)).attend(1, None, None, None, 0.5) == ("attended", 1, 0.5)
-    assert not hasattr(DenseStepKV, "attend")
-    dense_like = type("NoAttend", (), {"lengths": torch.tensor([5])})()
-    assert staging.wrap(dense_like, (0, 1)).attend(1, None, None, None, 0.5) is None

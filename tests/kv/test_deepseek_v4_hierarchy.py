@@ -126,7 +126,7 @@ def test_shared_source_resolves_once_per_step(v4_engine):
 def test_required_tail_is_reserved_per_request(v4_engine):
     llm = LLM(v4_engine("v4_small_topk"), kv_policy="hisparse", pool_bytes=1 << 22, page_rows=4)
     kv = llm.engine.kv
-    assert kv.inner.config.extra_required_bytes == kv.state_bytes > 0
+    assert kv.inner.config.model_state_bytes == kv.state_bytes > 0
     out = llm.generate([PROMPTS[3]], PARAMS)[0]
     assert out.stats["kv_window_bytes"] > 0 and out.stats["kv_csa_entries_bytes"] == 0  # entries live in the hierarchy
 

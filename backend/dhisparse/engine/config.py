@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
+from dhisparse import defaults
 from dhisparse.errors import ConfigError
+from dhisparse.kv.policies import ENGINE_POLICIES, policy_named
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-KV_POLICIES = ("resident", "hisparse", "adaptive", "dense")
+KV_POLICIES = ENGINE_POLICIES  # the hierarchy's policies and the dense reference (dhisparse.kv.policies)
 SPECULATIVE = (None, "dflash2", "dspark")
 KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection
 
@@ -28,14 +30,14 @@ class EngineConfig:
     max_new_tokens_limit: int = 0  # 0: up to max_model_len
     prefill_chunk_tokens: int = 512
     max_prefill_tokens_per_step: int = 4096
-    kv_policy: str = "adaptive"
+    kv_policy: str = defaults.KV_POLICY
     pool_bytes: int = 256 * 1024 * 1024
-    hot_rows: int = 0  # 0: derived from index_topk (and the verification block when speculating)
-    page_rows: int = 16
-    reserve_bytes: int = 0
-    refill_pages_per_step: int = 64
+    hot_rows: int = defaults.HOT_ROWS  # 0: index_topk, with or without speculation (overflow goes to staging)
+    page_rows: int = defaults.PAGE_ROWS
+    reserve_bytes: int = defaults.RESERVE_BYTES
+    refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     speculative: str | None = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = defaults.NUM_DRAFT_TOKENS
     dspark_busy_batch: int = 8  # DSpark: a batch at least this large counts as busy
     dspark_min_confidence: float = 0.0  # DSpark: verify only the draft prefix this likely to be accepted …
     dspark_busy_confidence: float = 0.3  # … or this likely when the batch is busy (load-aware shortening)
@@ -45,8 +47,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_policy not in KV_POLICIES:
-            raise ConfigError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        policy_named(self.kv_policy, "kv_policy")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.speculative not in SPECULATIVE:

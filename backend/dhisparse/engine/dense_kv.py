@@ -53,6 +53,7 @@ class DenseKVManager:
     """Unbounded reference manager: admits everything, stores everything densely."""
 
     policy = "dense"
+    staging_overflow_bytes_per_request = 0  # no hot cache, nothing overflows
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_query_len: int = 1) -> None:
         self.cfg, self.dtype, self.device, self.max_query_len = cfg, dtype, device, max_query_len

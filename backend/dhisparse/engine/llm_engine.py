@@ -31,7 +31,6 @@ from dhisparse.sampling import (
 )
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.speculator import Speculator
-from dhisparse.spec.staging import VerificationStaging
 
 
 class BatchSampling(NamedTuple):
@@ -89,20 +88,8 @@ class LLMEngine:
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or self.max_model_len
         self.eos_token_ids = set(mcfg.eos_token_id)
         self.query_len = 1 + (speculator.gamma if speculator else 0)
-        self.staging = None
-        extra = 0
-        if speculator is not None:
-            extra = speculator.ring_bytes_per_request
-            if hasattr(mcfg, "index_groups"):  # DSA families; deepseek_v4 verifies without staging (yet)
-                groups = mcfg.index_groups
-                self.staging = VerificationStaging(
-                    max(len(g) for g in groups), cfg.max_batch_size, self.query_len,
-                    min(mcfg.index_topk, self.max_model_len), mcfg.row_dim, cfg.torch_dtype,
-                    torch.device(cfg.device))
-                self._staging_slot = tuple(g.index(i) for g in groups for i in g)
-                extra += self.staging.bytes_per_request()
-        self.spec_bytes_per_request = extra
-        self.kv = make_kv_manager(mcfg, cfg, self.query_len, extra_required_bytes=extra)
+        ring = speculator.ring_bytes_per_request if speculator is not None else 0
+        self.kv = make_kv_manager(mcfg, cfg, self.query_len, draft_ring_bytes=ring)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -330,8 +317,6 @@ class LLMEngine:
         base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
         step_kv = self.kv.begin_step([r.request_id for r in batch], q_len)
-        if self.staging is not None:
-            step_kv = self.staging.wrap(step_kv, self._staging_slot)
         step_kv = self._faulty(step_kv, "verify_forward")
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
         logits = sampling.process(out.logits, draft)  # the same processing as the plain path, per position
@@ -474,7 +459,7 @@ class LLMEngine:
         out.update(self.kv.stats())
         if self.spec is not None:
             out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
-            out["spec_staging_bytes_per_request"] = float(self.staging.bytes_per_request() if self.staging else 0)
+            out["spec_staging_bytes_per_request"] = float(getattr(self.kv, "staging_overflow_bytes_per_request", 0))
             proposed = out.get("draft_tokens_proposed", 0.0)
             out["draft_acceptance_rate"] = out.get("draft_tokens_accepted", 0.0) / proposed if proposed else 0.0
             steps = out.get("verify_rows", 0.0)

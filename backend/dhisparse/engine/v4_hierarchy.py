@@ -10,7 +10,7 @@ What goes where:
   tensor ⇒ no second resolution, no second copy).
 * **Required tail** (:class:`V4RequestKV`, device, never lent): every layer's sliding-window rows, the
   compressors' pending projections, the CSA indexer keys and HCA's entries (small: one per 128 tokens). Their
-  bytes are reserved per request (``extra_required_bytes``), bounded by ``max_model_len``.
+  bytes are reserved per request (``KVConfig.model_state_bytes``), bounded by ``max_model_len``.
 
 Positions: the hierarchy of a request counts compressed entries, not tokens — entry ``w`` of a CSA source is
 row ``w + 1`` (row 0 is a zero row, so a prompt shorter than one window still imports one row). Each decode
@@ -107,7 +107,7 @@ class V4HierarchyKVManager:
         self.state_bytes = tail_state_bytes(cfg, max_model_len, row_bytes=cfg.head_dim * item,
                                             index_key_bytes=cfg.index_head_dim * item, pending_value_bytes=item)
         kv_config = KVConfig(**{**kv_config.__dict__,
-                                "extra_required_bytes": kv_config.extra_required_bytes + self.state_bytes})
+                                "model_state_bytes": kv_config.model_state_bytes + self.state_bytes})
         self.inner = KVManager(self.layout, kv_config, device)
         self.policy = kv_config.policy
         self.states: dict[str, V4RequestKV] = {}

@@ -67,6 +67,7 @@ def resolve_on_device(step: StepKV, manager: KVManager, source: int, positions: 
         copy_request=torch.arange(batch, device=flat.device).repeat_interleave(n),
         copy_position=out["copy_position"].reshape(-1), copy_slot=out["copy_slot"].reshape(-1),
         copy_location=out["copy_location"].reshape(-1), counts=out["summary"][:, 3:6].to(torch.int64),
+        staged=torch.zeros(batch, dtype=torch.int64, device=flat.device),  # the kernel path runs without staging
     )
     if step.host_pages is None:  # resident policy: every row is direct, nothing can miss
         return resolution, None

@@ -55,6 +55,7 @@ class KVManager:
             kernels = torch_selection("default")
         self.kernels = kernels
         self.layout, self.config = layout, config
+        self.policy = config.kv_policy  # owns the policy decisions (dhisparse.kv.policies)
         self.device = torch.device(device)
         self.indexer_layers = frozenset(layout.indexer_layers)
         self.pool = DevicePool(layout, config, self.device, poison_freed)
@@ -71,9 +72,18 @@ class KVManager:
         self.step: StepKV | None = None
 
     # ---------------------------------------------------------------------------------------- admission
+    def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
+        """What a request of this size reserves at admission (non-speculative and speculative parts)."""
+        return request_footprint(self.layout, self.config, prompt_len, max_new_tokens)
+
     def required_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
         """Device bytes a request reserves at admission under the configured policy."""
-        return request_footprint(self.layout, self.config, prompt_len, max_new_tokens).required_bytes
+        return self.footprint(prompt_len, max_new_tokens).required_bytes
+
+    @property
+    def staging_overflow_bytes_per_request(self) -> int:
+        """Arena bytes of one request's verification staging for overflow rows (fixed by the config)."""
+        return self.footprint(1, 1).staging_overflow_bytes
 
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
         """Why a request of this size could never be admitted even on an empty pool (``None``: it can be)."""
@@ -84,7 +94,7 @@ class KVManager:
             f"the request needs {need} device bytes ({self.config.policy}: prompt {prompt_len} + max_new_tokens "
             f"{max_new_tokens}) but pool_bytes {self.config.pool_bytes} - reserve_bytes {self.config.reserve_bytes} "
             f"leaves {self.config.pool_bytes - self.config.reserve_bytes}; raise pool_bytes, lower reserve_bytes or "
-            "max_new_tokens" + ("" if self.config.uses_host else ", or use kv policy 'adaptive' / 'hisparse'")
+            "max_new_tokens" + self.policy.admission_hint
         )
 
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
@@ -99,7 +109,7 @@ class KVManager:
             raise AdmissionError(f"request {request_id!r}: {reason}")
         self._free_safe()
         deficit = fp.required_bytes - self.pool.spare_bytes
-        if deficit > 0 and self.config.policy == "adaptive":
+        if deficit > 0 and self.policy.reclaims:
             if self._reclaim_for(deficit) and self.step is None:
                 # Between steps the freed memory need not wait for the next poll: complete the outstanding
                 # copies (backups) and wait for the last step's readers, as a GPU would wait on its streams.
@@ -143,12 +153,14 @@ class KVManager:
         self.pool.reserve_required(fp.required_bytes)
         pages = self.pool.allocate(sources * fp.device_pages).view(sources, fp.device_pages)
         hot_pages = pages[:, fp.tail_pages :].contiguous()
-        hot_rows = cfg.hot_rows if cfg.uses_host else 0
+        hot_rows = cfg.hot_rows_for(layout)
         hot_loc = self.pool.page_rows_of(hot_pages.reshape(-1)).view(sources, -1)[:, :hot_rows].contiguous()
+        staging_pages = self.pool.allocate(fp.staging_pages)
+        staging_loc = fp.staging_locations(cfg.page_rows, staging_pages.to(dev))
         host_pages = None
-        if cfg.uses_host:
+        if self.policy.uses_host:
             host_pages = self.host.allocate(sources * fp.num_pages, self.copies.wait_all).view(sources, -1)
-        prompt_pages = prompt_len // cfg.page_rows if cfg.policy == "adaptive" else 0
+        prompt_pages = self.policy.optional_prompt_pages(prompt_len, cfg.page_rows)
         req = RequestKV(
             request_id=request_id, prompt_len=prompt_len, max_new_tokens=max_new_tokens, footprint=fp,
             admit_order=self._admissions,
@@ -166,6 +178,7 @@ class KVManager:
                 for layer in layout.indexer_layers
             },
             ring_free_epoch=torch.zeros(fp.tail_pages, dtype=torch.int64),
+            staging_pages=staging_pages, staging_loc=staging_loc,
         )
         self._admissions += 1
         self.requests[request_id] = req
@@ -197,7 +210,7 @@ class KVManager:
                                  f"{self.layout.index_key_dim}], got {list(keys.shape)}")
             req.index_keys[layer][: req.prompt_len] = keys.to(self.device, self.layout.dtype)
         rows = rows.to(dtype=self.layout.dtype)
-        residency.import_prompt_rows(req, rows, self.config.policy, self.pool, self.host, self.copies)
+        residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
         req.imported = True
         self.check_budget()
 
@@ -250,12 +263,14 @@ class KVManager:
             req.hot_pos.copy_(step.hot_pos[b])
             req.hot_stamp.copy_(step.hot_stamp[b])
             direct, hot, host = (float(v) for v in step.counts[b].tolist())
+            staged = float(step.staged[b])
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
+                                ("rows_staged", staged),
                                 ("resolved_rows", direct + hot + host), ("host_fetched_rows", host),
                                 ("host_fetched_bytes", host * self.layout.row_bytes)):
                 req.add_stat(name, value)
                 self.counters[name] += value
-            if self.config.uses_host:
+            if self.policy.uses_host:
                 n = back_up_complete_pages(req, self.pool, self.host, self.copies, self.fence,
                                            self.config.page_rows)
                 self.counters["tail_pages_backed_up"] += n
@@ -304,7 +319,7 @@ class KVManager:
         """Complete ready copies, free what is safe to free, refill optional pages (bounded, round-robin)."""
         self.copies.poll()
         self._free_safe()
-        if self.config.policy == "adaptive" and not self.waiting and self.step is None:
+        if self.policy.refills and not self.waiting and self.step is None:
             self._refill()
         self.check_budget()
 
@@ -358,7 +373,7 @@ class KVManager:
         residency.free_retired_pages(req, self.pool, self.fence)
         on_device = req.opt_page[req.opt_page >= 0]
         self.pool.free(on_device, optional=True)
-        self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1)]))
+        self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1), req.staging_pages]))
         if req.host_pages is not None:
             self.host.free(req.host_pages)
         self.pool.release_required(req.footprint.required_bytes)
@@ -371,6 +386,10 @@ class KVManager:
         out["optional_bytes"] = float(self.pool.optional_bytes)
         out["reserve_bytes"] = float(self.pool.reserve_bytes)
         out["pool_bytes"] = float(self.pool.pool_bytes)
+        alive_fps = [r.footprint for r in (*self.requests.values(), *(r for r, _ in self.releasing))]
+        out["ring_bytes"] = float(sum(fp.ring_bytes for fp in alive_fps))
+        out["staging_bytes"] = float(sum(fp.staging_bytes for fp in alive_fps))
+        out["speculative_bytes"] = float(sum(fp.speculative_bytes for fp in alive_fps))
         out["spare_bytes"] = float(self.pool.spare_bytes)
         out["optional_pages_resident"] = float(sum(request_gauges(r)["optional_pages_resident"]
                                                    for r in self.requests.values()))

@@ -6,6 +6,14 @@ calls :meth:`write` first, then :meth:`index_keys` / :meth:`gather`. Resolution 
 once per source and positions tensor; when the layer leads a GLM-style index group the other sources
 of the group are resolved at the same time and their host copies issued ahead (prefetch), and a source
 shared by several layers reuses the first layer's location vector.
+
+Verification staging: rows of a step's union of selections that the hot cache cannot take are copied from
+host straight into the request's staging slot of the source's position in its index group (one slot per
+group position, :attr:`KVLayout.staging_slots`); the location vector points there, so attention reads every
+row through one vector from the arena, a hot slot or staging. The next group's resolution reuses the slots;
+copies are issued after the work already queued (on CUDA the copy stream waits for the current stream, i.e.
+for the previous group's attention), and a resolved entry whose staged rows were overwritten is dropped, so a
+later layer sharing that source resolves again instead of reading another source's rows.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ class _Resolved:
     positions: torch.Tensor  # [B, X, K] as passed by the model
     resolution: Resolution
     ticket: CopyTicket | None  # host→device copies of the misses (None if nothing missed)
+    staging_slot: int
+    staged: bool  # rows may live in the staging slot
 
 
 class StepKV:
@@ -70,7 +80,10 @@ class StepKV:
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
+        self.staged = torch.zeros(len(requests), dtype=torch.int64, device=device)  # rows copied into staging
+        self.staging_loc = torch.stack([r.staging_loc for r in requests]).to(device)  # [B, G, T]
         self._resolved: dict[int, _Resolved] = {}
+        self._tickets: list[CopyTicket] = []
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
 
@@ -147,7 +160,7 @@ class StepKV:
             for other in m.layout.group_of_layer(layer):
                 other_source = m.layout.source_of_layer[other]
                 if self._lookup(other_source, positions) is None:
-                    self._resolve(other_source, positions)
+                    self._resolve(other_source, positions, m.layout.staging_slot_of_layer(other))
             entry = self._lookup(source, positions)
             assert entry is not None
         m.copies.wait_for_read(entry.ticket)
@@ -162,20 +175,33 @@ class StepKV:
         )
         return entry if same else None
 
-    def _resolve(self, source: int, positions: torch.Tensor) -> None:
+    def _resolve(self, source: int, positions: torch.Tensor, slot: int) -> None:
         m = self._m
-        if m.kernels.on_device:  # CUDA kernels: resolve and fetch without a host round trip
+        staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
+        # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
+        # so a step with verification staging resolves with the torch resolver.
+        if m.kernels.on_device and staging is None:
             res, ticket = kernel_step.resolve_on_device(self, m, source, positions)
             self.resolver_calls += 1
-            self._resolved[source] = _Resolved(positions, res, ticket)
+            if ticket is not None:
+                self._tickets.append(ticket)
+            self._resolved[source] = _Resolved(positions, res, ticket, slot, False)
             return
         flat = positions.reshape(len(self.requests), -1)
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
-                      self.hot_loc[:, source], self.stamp, m.pool.page_rows)
+                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging)
         self.resolver_calls += 1
         self.hot_pos[:, source] = res.hot_pos
         self.hot_stamp[:, source] = res.hot_stamp
         self.counts += res.counts
+        self.staged += res.staged
+        # With staging, the slot's previous rows may be overwritten: their entry must not be reused (decided from
+        # the configuration, not from this resolution's counts, so that it costs no host sync).
+        staged = staging is not None
+        if staged:
+            stale = [s for s, e in self._resolved.items() if e.staged and e.staging_slot == slot and s != source]
+            for s in stale:
+                del self._resolved[s]
         ticket = None
         if res.copy_request.numel() > 0:
             if self.host_pages is None:
@@ -183,12 +209,13 @@ class StepKV:
             req_idx, pos = res.copy_request.cpu(), res.copy_position.cpu()
             host_rows = m.host.rows_of(self.host_pages[req_idx, source, pos // m.pool.page_rows], pos)
             ticket = m.copies.issue("fetch", m.pool.arena, res.copy_location, m.host.rows, host_rows)
-        self._resolved[source] = _Resolved(positions, res, ticket)
+            self._tickets.append(ticket)
+        self._resolved[source] = _Resolved(positions, res, ticket, slot, staged)
 
     def wait_fetches(self) -> None:
         """Complete every host→device copy this step issued (called by ``end_step``)."""
-        for entry in self._resolved.values():
-            self._m.copies.wait(entry.ticket)
+        for ticket in self._tickets:
+            self._m.copies.wait(ticket)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -69,7 +69,7 @@ def request_split(cfg: DeepseekV4Config, policy: str, prompt_tokens: int, output
                             index_key_bytes=FP8_INDEX_KEY_BYTES, pending_value_bytes=PENDING_VALUE_BYTES)
     pool = int(pool_bytes if pool_bytes is not None else kv_pool_bytes())
     config = KVConfig(policy=policy, pool_bytes=pool, hot_rows=hot_rows, page_rows=page_rows,
-                      extra_required_bytes=tail)
+                      model_state_bytes=tail)
     prompt_rows, new_rows = entry_rows(prompt_tokens, output_tokens, cfg.compress_rate_csa)
     fp = request_footprint(layout, config, prompt_rows, new_rows)
     csa_sources = layout.num_sources
