@@ -36,7 +36,7 @@ def faulty_server(tiny_engine, tmp_path_factory):
     from dhisparse.serving.triton_install import TritonInstall, prepare_backend_dir
 
     work = tmp_path_factory.mktemp("triton-faults")
-    overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES, "fault_injection": FAULTS}
+    overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES, "page_rows": 16, "fault_injection": FAULTS}
     fill_model_repository(RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100), work / "repo")
     install = TritonInstall.locate()
     http, grpc, metrics = free_ports(3)
@@ -106,7 +106,7 @@ def _ready(url: str) -> bool:
 def test_unrecoverable_engine_answers_everyone_and_turns_not_ready(tiny_engine, prompt_runs_long, tmp_path):
     from dhisparse_client.serve_process import ServeProcess
 
-    serve = ServeProcess(tiny_engine, {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES,
+    serve = ServeProcess(tiny_engine, {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES, "page_rows": 16,
                                        "fault_injection": "break_invariants@4"}, log_path=tmp_path / "server.log")
     endpoints = serve.start()
     try:
