@@ -27,7 +27,6 @@ class HardwareSpec:
         flops_per_s: dense tensor FLOP rate at the serving precision (FLOP/s).
         mfu: fraction of ``flops_per_s`` reached by decode/prefill kernels (0..1).
         step_overhead_s: fixed time per decode step: launches, collectives, sampling, scheduling (s).
-        host_overlap: fraction of host-fetch time hidden behind compute (0 = serialised, conservative).
         source: where the figures come from.
     """
 
@@ -38,13 +37,13 @@ class HardwareSpec:
     flops_per_s: float
     mfu: float = 0.4
     step_overhead_s: float = 0.012
-    host_overlap: float = 0.0
     source: str = ""
 
     def __post_init__(self) -> None:
         _positive(self, "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "flops_per_s", "mfu")
-        if self.step_overhead_s < 0 or not 0.0 <= self.host_overlap <= 1.0 or self.mfu > 1.0:
-            raise ValueError("step_overhead_s must be >= 0, host_overlap and mfu in [0, 1]")
+        if self.step_overhead_s < 0 or self.mfu > 1.0:
+            raise ValueError(f"HardwareSpec.step_overhead_s must be >= 0 and mfu <= 1, got "
+                             f"{self.step_overhead_s}, {self.mfu}")
 
 
 @dataclass(frozen=True)
