@@ -16,9 +16,10 @@ Two kinds of evidence, each fitted separately and reported with its residuals:
 
 2. **Published resolution shares** (:func:`fit_published`, alternating regula falsi): the simulator (real KV
    manager) is run at low load and the two parameters are set so that HiSparse's host-fetched share and the
-   adaptive direct share equal the published ones; every other published share is then a prediction whose residual is reported.
+   adaptive direct share equal the published ones; every other published share is then a prediction whose
+   residual is reported.
    At low load every request's resolution is independent of the others' (hisparse: fixed ``B``; adaptive:
-   everything fits), so two requests per run suffice.
+   everything fits), so one or two requests per run suffice.
 
 Nothing here looks at throughput: the throughput claims are predicted with the fitted parameters.
 """
@@ -128,13 +129,18 @@ class TraceFit:
 
 def fit_trace(sequences: Sequence[Sequence_], topk: int, window: int, seed: int = 0, iters: int = 6,
               step: float = 0.08) -> TraceFit:
-    """Fit ``overlap`` and ``recent_fraction`` (window fixed) to a selection trace (see module docstring):
-    Newton/Broyden iterations on the two moments (close to linear in the parameters; common random numbers
-    keep the differences free of sampling noise)."""
-    observed = trace_moments(sequences, window)
+    """Fit ``overlap`` and ``recent_fraction`` (window fixed) to a selection trace (see module docstring)."""
     limits = [[limit for limit, _ in seq] for seq in sequences]
+    return fit_trace_moments(trace_moments(sequences, window), limits, topk, window, seed, iters, step)
 
-    def moments(x: tuple[float, float]) -> tuple[float, float]:
+
+def fit_trace_moments(observed: TraceMoments, limits: Sequence[Sequence[int]], topk: int, window: int,
+                      seed: int = 0, iters: int = 6, step: float = 0.08) -> TraceFit:
+    """The fit from a trace's pooled statistics and its per-step history lengths ``limits``: Newton/Broyden
+    iterations on the two moments of the planner's selector run over the same ``limits`` (close to linear in
+    the parameters; common random numbers keep the differences free of sampling noise)."""
+
+    def moments(x: Vec) -> Vec:
         model = LocalityModel(overlap=x[0], recent_fraction=x[1], recent_window_tokens=window)
         m = trace_moments(synthetic_sequences(model, topk, limits, seed), window)
         return m.kept, m.recent
@@ -213,7 +219,8 @@ def _root(g: Callable[[float], float], lo: float, hi: float, iters: int, tol: fl
 
 def fit_published(run_shares: Callable[[str, LocalityModel], dict[str, float]], base: LocalityModel,
                   targets: Sequence[ShareTarget] = PUBLISHED_SHARES, rounds: int = 2, iters: int = 4,
-                  tol: float = 0.002) -> PublishedFit:
+                  tol: float = 0.002, overlap_bracket: tuple[float, float] = (0.6, 0.98),
+                  recent_bracket: tuple[float, float] = (0.0, 0.8)) -> PublishedFit:
     """Alternating one-dimensional root finding (regula falsi): ``overlap`` so that the hisparse host share
     equals its target (log scale: ~linear in the overlap), then ``recent_fraction`` so that the adaptive direct
     share equals its target; ``rounds`` times. ``run_shares(policy, locality)`` returns a run's ``host_share`` /
@@ -234,10 +241,10 @@ def fit_published(run_shares: Callable[[str, LocalityModel], dict[str, float]], 
     for _ in range(rounds):
         here = loc
         ov = _root(lambda x, at=here: math.log(max(1e-6, shares("hisparse", dataclasses.replace(at, overlap=x))[
-            "host_share"])) - math.log(host_t.value), 0.6, 0.98, iters, tol / max(host_t.value, 1e-6))
+            "host_share"])) - math.log(host_t.value), *overlap_bracket, iters, tol / max(host_t.value, 1e-6))
         here = loc = dataclasses.replace(loc, overlap=ov)
         rf = _root(lambda x, at=here: shares("adaptive", dataclasses.replace(at, recent_fraction=x))["direct_share"]
-                   - direct_t.value, 0.0, 0.8, iters, tol)
+                   - direct_t.value, *recent_bracket, iters, tol)
         loc = dataclasses.replace(loc, recent_fraction=rf)
     rows: list[dict[str, float | str]] = []
     for t in targets:

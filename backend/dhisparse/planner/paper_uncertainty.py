@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from dhisparse.planner.calibrate import PublishedFit, TraceFit, fit_published, fit_trace
+from dhisparse.planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
 from dhisparse.planner.constants import BY_NAME, Constant, Setup
 from dhisparse.planner.locality import LocalityModel
 from dhisparse.planner.paper import BASE, SCALE, SPEC
@@ -88,9 +88,10 @@ def headline_claims(rows: list[Row]) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------------ calibration
 def paper_shares(policy: str, locality: LocalityModel) -> dict[str, float]:
-    """Resolution shares of two 32K/8K requests without speculation in the paper setup (low load)."""
+    """Resolution shares of one 32K/8K request without speculation in the paper setup (low load: at low load a
+    request's resolution does not depend on the others')."""
     serving = dataclasses.replace(BASE, policy=policy, locality=locality)
-    res = simulate(H200, GLM5_INDEXSHARE_NVFP4, serving, WorkloadSpec(32768, 8192, concurrency=2, num_requests=2),
+    res = simulate(H200, GLM5_INDEXSHARE_NVFP4, serving, WorkloadSpec(32768, 8192, concurrency=1, num_requests=1),
                    SCALE)
     return res.summary()
 
@@ -104,13 +105,15 @@ class LocalityCalibration:
     recent_range: tuple[float, float]
 
 
-def calibrate_locality(trace: tuple[list, int] | None, log: bool = False) -> LocalityCalibration:
-    """Fit to the published shares and (if given) to an engine trace ``(sequences, index_topk)``."""
-    published = fit_published(paper_shares, LocalityModel())
+def calibrate_locality(trace: dict | None, log: bool = False) -> LocalityCalibration:
+    """Fit to the published shares and (if given) to an engine trace summary
+    (:func:`dhisparse.planner.engine_trace.trace_summary`, e.g. ``docs/results/engine_trace.json``)."""
+    published = fit_published(paper_shares, LocalityModel(overlap=0.85, recent_fraction=0.3), iters=3,
+                              overlap_bracket=(0.75, 0.95), recent_bracket=(0.1, 0.6))
     trace_fit = None
     if trace is not None:
-        seqs, topk = trace
-        trace_fit = fit_trace(seqs, topk, window=2 * topk)
+        observed = TraceMoments(float(trace["kept"]), float(trace["recent"]), int(trace["pairs"]))
+        trace_fit = fit_trace_moments(observed, trace["limits"], int(trace["index_topk"]), int(trace["window"]))
     ovs = [published.overlap] + ([trace_fit.overlap] if trace_fit else [])
     rfs = [published.recent_fraction] + ([trace_fit.recent_fraction] if trace_fit else [])
     ov_range = (max(0.0, min(min(ovs), published.overlap - 0.03)), min(0.99, max(max(ovs), published.overlap + 0.03)))
@@ -142,8 +145,8 @@ def calibrated_constants(cal: LocalityCalibration) -> tuple[Constant, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ re-runs
-RERUN_KEYS: tuple[tuple[str, int], ...] = (("adaptive", 32), ("hisparse", 32), ("adaptive", 128), ("hisparse", 128),
-                                           ("adaptive+dflash2" + LONG, 128))
+RERUN_KEYS: tuple[tuple[str, int], ...] = (("adaptive", 128), ("hisparse", 128), ("adaptive+dflash2" + LONG, 128),
+                                           ("hisparse" + LONG, 128))
 
 
 def _affected(c: Constant, label: str) -> bool:

@@ -45,27 +45,58 @@ def retime_all(results: dict[Key, SimResult], setup: Setup, constant: Constant |
 
 
 def sensitivity(base: dict[Key, SimResult], setup: Setup, claims: ClaimsFn, gpus: int,
-                rerun: RerunFn | None = None, constants: Sequence[Constant] = CONSTANTS) -> list[Row]:
+                rerun: RerunFn | None = None, constants: Sequence[Constant] = CONSTANTS, workers: int = 1) -> list[Row]:
     """One row per claim and constant: the claim at the constant's low and high end (``nan`` where the
-    constant does not apply or ``rerun`` declines it by returning None)."""
+    constant does not apply or ``rerun`` declines it by returning None). ``workers > 1`` runs the re-simulated
+    ends in that many forked processes (same results: every run is seeded)."""
     nominal = claims(rows_of(base, gpus))
-    out: list[Row] = []
+    tasks = []
     for c in constants:
         lo, hi = c.range_around(setup.current(c))
-        ends: list[dict[str, float]] = []
-        how = "re-timed" if c.retime else "re-simulated"
-        for value in (lo, hi):
-            changed = setup.with_value(c, value)
-            results = retime_all(base, changed, c, value) if c.retime else (rerun(c, changed) if rerun else None)
-            if results is None:
-                how = "not varied"
-            ends.append(claims(rows_of(results, gpus)) if results is not None else {})
+        tasks += [(c, lo), (c, hi)]
+    global _STATE
+    _STATE = (base, setup, claims, gpus, rerun, tasks)
+    ends: list[dict[str, float] | None] = [None] * len(tasks)
+    heavy = [i for i, (c, _) in enumerate(tasks) if not c.retime]
+    if workers > 1 and heavy:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for i, got in zip(heavy, pool.map(_end_claims, heavy), strict=True):
+                ends[i] = got
+    for i in range(len(tasks)):
+        if ends[i] is None and (tasks[i][0].retime or workers <= 1):
+            ends[i] = _end_claims(i)
+    _STATE = None
+    out: list[Row] = []
+    for k in range(0, len(tasks), 2):
+        c, lo = tasks[k]
+        hi = tasks[k + 1][1]
+        a_end, b_end = ends[k], ends[k + 1]
+        how = "re-timed" if c.retime else ("re-simulated" if a_end is not None else "not varied")
         for claim, nom in nominal.items():
-            a, b = ends[0].get(claim, math.nan), ends[1].get(claim, math.nan)
+            a = a_end.get(claim, math.nan) if a_end is not None else math.nan
+            b = b_end.get(claim, math.nan) if b_end is not None else math.nan
             out.append({"claim": claim, "constant": c.name, "unit": c.unit, "low": lo * c.scale,
                         "high": hi * c.scale, "nominal": nom, "at_low": a, "at_high": b,
                         "swing": abs(b - a) if not (math.isnan(a) or math.isnan(b)) else math.nan, "how": how})
     return out
+
+
+_STATE: tuple | None = None
+
+
+def _end_claims(i: int) -> dict[str, float] | None:
+    """The claims with task ``i``'s constant at its value (module state: forked workers inherit it)."""
+    assert _STATE is not None
+    base, setup, claims, gpus, rerun, tasks = _STATE
+    c, value = tasks[i]
+    changed = setup.with_value(c, value)
+    if c.retime:
+        results: dict[Key, SimResult] | None = retime_all(base, changed, c, value)
+    else:
+        results = rerun(c, changed) if rerun is not None else None
+    return None if results is None else claims(rows_of(results, gpus))
 
 
 def claim_ranges(rows: Sequence[Row]) -> dict[str, tuple[float, float, float]]:
