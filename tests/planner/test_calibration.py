@@ -60,7 +60,8 @@ def test_share_fit_reproduces_shares_of_known_parameters() -> None:
     direct = _shares("adaptive", truth)["direct_share"]
     targets = (ShareTarget("h", "hisparse", "host_share", host, "synthetic", True),
                ShareTarget("d", "adaptive", "direct_share", direct, "synthetic", True))
-    fit = fit_published(_shares, LocalityModel(overlap=0.8, recent_fraction=0.2), targets)
+    fit = fit_published(_shares, LocalityModel(overlap=0.8, recent_fraction=0.2), targets, iters=3,
+                        overlap_bracket=(0.75, 0.95), recent_bracket=(0.1, 0.6))
     assert fit.overlap == pytest.approx(0.85, abs=0.03)
     host_fit, direct_fit = fit.rows
     assert abs(float(host_fit["residual"])) < 0.01 and abs(float(direct_fit["residual"])) < 0.02
@@ -71,7 +72,7 @@ def _grid(hw, model, locality=LocalityModel(overlap=0.8)):
     out = {}
     for label in ("adaptive", "hisparse"):
         serving = ServingSpec(policy=label, hot_rows=4096, locality=locality)
-        out[(label, 2, locality.overlap)] = simulate(hw, model, serving, WorkloadSpec(8192, 2048, concurrency=2),
+        out[(label, 2, locality.overlap)] = simulate(hw, model, serving, WorkloadSpec(4096, 1024, concurrency=2),
                                                      ScaleSpec(64))
     return out
 
@@ -84,7 +85,8 @@ def test_sensitivity_is_deterministic_and_moves_the_right_way() -> None:
         return {k: v for k, v in _grid(changed.hw, changed.model, changed.locality).items()}
 
     claims = ratio_claims([("adaptive", "hisparse")], [2])
-    runs = [sensitivity(_grid(H200, GLM), setup, claims, GLM.gpus, rerun, constants) for _ in range(2)]
+    base = _grid(H200, GLM)
+    runs = [sensitivity(base, setup, claims, GLM.gpus, rerun, constants) for _ in range(2)]
     assert runs[0] == runs[1]
     by = {(r["claim"], r["constant"]): r for r in runs[0]}
     link = by[("adaptive / hisparse output C2", "host link (effective, row gathers)")]

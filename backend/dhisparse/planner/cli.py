@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from dhisparse.planner.constants import CONSTANTS, Constant, Setup
+from dhisparse.planner.constants import CONSTANTS, Constant, Setup, affects
 from dhisparse.planner.report import (
     PlanGrid,
     markdown_table,
@@ -156,8 +156,12 @@ def run_sensitivity(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec
         if c.target == "locality" and c.field == "overlap":
             ov = changed.locality.overlap
             return {(k[0], k[1], mid): v for k, v in results.items() if k[2] == ov} or None
-        out = {}
+        out = {k: v for k, v in base.items() if not affects(c, k[0])}
+        if len(out) == len(base):
+            return out  # no config depends on this constant
         for label, conc, _ in base:
+            if not affects(c, label):
+                continue
             spec = changed.speculation or grid.speculation
             serving = dataclasses.replace(parse_config(label, grid.base_serving, spec, changed.model.index_topk),
                                           locality=changed.locality)

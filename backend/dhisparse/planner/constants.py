@@ -125,6 +125,16 @@ class Setup:
         return dataclasses.replace(self, **{_attr(c.target): dataclasses.replace(obj, **{c.field: cast(value)})})
 
 
+def affects(c: Constant, label: str) -> bool:
+    """Whether constant ``c`` can change a ``policy[+drafter]`` run (resident fetches nothing from host; only
+    speculative runs draft or verify)."""
+    if c.target in ("speculation", "drafter") or (c.target == "locality" and c.field == "query_overlap"):
+        return "+" in label
+    if c.target == "locality":
+        return not label.startswith("resident")
+    return True
+
+
 def _attr(target: str) -> str:
     return {"hardware": "hw"}.get(target, target)
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 
 from dhisparse.planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
-from dhisparse.planner.constants import BY_NAME, Constant, Setup
+from dhisparse.planner.constants import BY_NAME, Constant, Setup, affects
 from dhisparse.planner.locality import LocalityModel
 from dhisparse.planner.paper import BASE, SCALE, SPEC
 from dhisparse.planner.report import parse_config, recommend
@@ -149,14 +149,6 @@ RERUN_KEYS: tuple[tuple[str, int], ...] = (("adaptive", 128), ("hisparse", 128),
                                            ("hisparse" + LONG, 128))
 
 
-def _affected(c: Constant, label: str) -> bool:
-    if c.target in ("speculation",) or (c.target == "locality" and c.field == "query_overlap"):
-        return "+" in label
-    if c.target == "locality":
-        return not label.startswith("resident")
-    return True
-
-
 def make_rerun(base: dict[Key, SimResult], by_overlap: dict[float, dict[Key, SimResult]],
                log: bool = False) -> Callable[[Constant, Setup], dict[Key, SimResult] | None]:
     """``rerun`` for :func:`dhisparse.planner.sensitivity.sensitivity` over the paper's grids (module docstring)."""
@@ -166,9 +158,9 @@ def make_rerun(base: dict[Key, SimResult], by_overlap: dict[float, dict[Key, Sim
         if c.target == "locality" and c.field == "overlap":
             grid = by_overlap.get(round(setup.locality.overlap, 6))
             return None if grid is None else {(k[0], k[1], nominal_ov): v for k, v in grid.items()}
-        out = {k: v for k, v in base.items() if not _affected(c, k[0])}
+        out = {k: v for k, v in base.items() if not affects(c, k[0])}
         for label, conc in RERUN_KEYS:
-            if not _affected(c, label) or (label, conc, nominal_ov) not in base:
+            if not affects(c, label) or (label, conc, nominal_ov) not in base:
                 continue
             name, long = label.removesuffix(LONG), label.endswith(LONG)
             serving = dataclasses.replace(parse_config(name, BASE, setup.speculation or SPEC,
