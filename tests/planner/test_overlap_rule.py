@@ -60,17 +60,21 @@ def _load(host_bytes: float, refill_bytes: float = 0.0) -> StepLoad:
 
 def test_host_overlap_is_an_outcome_of_the_index_sharing_pattern() -> None:
     small = _load(1e6)  # 40 us of fetching against milliseconds of compute: the rule's ceiling
-    glm = decode_step_seconds(H200, GLM, small)
-    ds = decode_step_seconds(H200, DSV32, small)
+    ideal = dataclasses.replace(H200, prefetch_efficiency=1.0)
+    glm = decode_step_seconds(ideal, GLM, small)
+    ds = decode_step_seconds(ideal, DSV32, small)
     # 19 groups of 4 and one of 2 layers: 58 of 78 layers' copies are hidden
     assert 1 - glm["host"] / glm["fetch"] == pytest.approx(58 / 78)
     assert ds["host"] == pytest.approx(ds["fetch"])  # one indexer per layer: nothing hidden
-    big = decode_step_seconds(H200, GLM, _load(5e9))  # 200 ms of fetching: the link, not compute, dominates
+    big = decode_step_seconds(ideal, GLM, _load(5e9))  # 200 ms of fetching: the link, not compute, dominates
     assert 0 < 1 - big["host"] / big["fetch"] < 58 / 78
+    # a real implementation hides a sourced fraction of what the schedule allows (H200 preset: 0.93)
+    real = decode_step_seconds(H200, GLM, small)
+    assert 1 - real["host"] / real["fetch"] == pytest.approx(H200.prefetch_efficiency * 58 / 78)
     # refills are asynchronous: they only bound the step by the link's busy time
-    refill = decode_step_seconds(H200, GLM, _load(1e6, refill_bytes=1e6))
+    refill = decode_step_seconds(ideal, GLM, _load(1e6, refill_bytes=1e6))
     assert refill["total"] == glm["total"]
-    flood = decode_step_seconds(H200, GLM, _load(1e6, refill_bytes=25e9))
+    flood = decode_step_seconds(ideal, GLM, _load(1e6, refill_bytes=25e9))
     assert flood["total"] == pytest.approx((1e6 + 25e9) / H200.host_link_bytes_per_s)
 
 
@@ -90,7 +94,8 @@ def test_retime_equals_a_new_simulation(spec) -> None:
     again = retime(base, other, GLM).summary()
     assert again == pytest.approx(fresh, rel=1e-9, nan_ok=True)
     assert again["output_tok_per_s"] != pytest.approx(base.summary()["output_tok_per_s"])
-    assert 0.0 <= again["host_overlap"] <= 58 / 78 + 1e-9 and not math.isnan(again["host_overlap"])
+    assert 0.0 <= again["host_overlap"] <= H200.prefetch_efficiency * 58 / 78 + 1e-9
+    assert not math.isnan(again["host_overlap"])
 
 
 def test_runs_whose_decisions_depend_on_time_cannot_be_retimed() -> None:

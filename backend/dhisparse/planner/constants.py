@@ -70,6 +70,11 @@ CONSTANTS: tuple[Constant, ...] = (
              "no source for H200 TP8 (ASSUMED). Upper end: sglang PR #28523 measures a whole GLM decode step "
              "(no HiSparse, mean ITL after 1000 tokens) at 18.15 ms, compute included; the RTX PRO 6000 "
              "validation (PR #33075 batch-1 anchor) implies the overhead given in docs/planner.md.", retime=True),
+    Constant("prefetch efficiency", "hardware", "prefetch_efficiency", 0.93, 0.74, 1.0, "", 1.0,
+             "sglang PR #29637: IndexShare prefetch hides 70% of HiSparse's host I/O on GLM-5.2, 0.93 of the 75% "
+             "our schedule rule allows for 1-in-4 indexer layers; sglang PR #28523: overhead +7.17 ms without and "
+             "+3.18 ms with shared-layer overlap (56% hidden, 0.74 of 75%). Upper end: the rule itself.",
+             retime=True, relative=False),
     Constant("model FLOP utilisation", "hardware", "mfu", 0.4, 0.25, 0.6, "", 1.0,
              "no source: wide range. Moves prefill (TTFT) and compute-bound steps.", retime=True, relative=False),
     Constant("HBM bandwidth (achieved)", "hardware", "hbm_bytes_per_s", 4.8e12, 3.6e12, 4.8e12, "TB/s", 1e-12,

@@ -22,6 +22,10 @@ Copies of the next group cannot start earlier (its top-k needs its own indexer),
 Refills of optional pages are asynchronous (a page becomes visible only when its copy is done); they use the
 same link, so a step lasts at least as long as the link is busy with fetches and refills together.
 
+A real implementation hides somewhat less than the schedule allows (the side-stream copies compete with
+attention for SMs and HBM): ``prefetch_efficiency`` (a :class:`HardwareSpec` constant, sourced from sglang's
+measurements, see docs/planner.md) scales the hideable part: ``exposed = fetch - efficiency * (fetch - rule)``.
+
 ``host_overlap`` (hidden / total fetch time) is therefore an *outcome* of this rule, the index-sharing pattern
 and the step's compute, never an input.
 """
@@ -55,8 +59,10 @@ def group_sizes(num_layers: int, index_group_size: int) -> list[int]:
     return [min(index_group_size, num_layers - i) for i in range(0, num_layers, index_group_size)]
 
 
-def exposed_fetch_seconds(fetch_s: float, compute_s: float, num_layers: int, index_group_size: int) -> float:
-    """Exposed part of a step's host-fetch time ``fetch_s`` given its layer compute ``compute_s`` (both s).
+def exposed_fetch_seconds(fetch_s: float, compute_s: float, num_layers: int, index_group_size: int,
+                          efficiency: float = 1.0) -> float:
+    """Exposed part of a step's host-fetch time ``fetch_s`` given its layer compute ``compute_s`` (both s);
+    ``efficiency`` scales the part the schedule can hide (1: all of it).
 
     Fetched rows and compute are spread evenly over the layers: the layers of a group share one selection and
     hence one miss pattern, and the planner's selection model is the same for every group."""
@@ -65,7 +71,8 @@ def exposed_fetch_seconds(fetch_s: float, compute_s: float, num_layers: int, ind
     h, c = fetch_s / num_layers, compute_s / num_layers
     sizes = group_sizes(num_layers, index_group_size)
     # closed form of group_exposed_seconds for equal h and c (tests check both agree)
-    return sum(h + (s - 1) * max(0.0, h - c) for s in sizes)
+    rule = sum(h + (s - 1) * max(0.0, h - c) for s in sizes)
+    return fetch_s - efficiency * (fetch_s - rule)
 
 
 def host_overlap(fetch_s: float, exposed_s: float) -> float:

@@ -27,6 +27,8 @@ class HardwareSpec:
         flops_per_s: dense tensor FLOP rate at the serving precision (FLOP/s).
         mfu: fraction of ``flops_per_s`` reached by decode/prefill kernels (0..1).
         step_overhead_s: fixed time per decode step: launches, collectives, sampling, scheduling (s).
+        prefetch_efficiency: fraction of the host-fetch time that the index-group schedule *could* hide which a
+            real implementation does hide (copies contend with attention for SMs and HBM); see overlap.py.
         source: where the figures come from.
     """
 
@@ -37,10 +39,14 @@ class HardwareSpec:
     flops_per_s: float
     mfu: float = 0.4
     step_overhead_s: float = 0.012
+    prefetch_efficiency: float = 0.93
     source: str = ""
 
     def __post_init__(self) -> None:
         _positive(self, "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "flops_per_s", "mfu")
+        if not 0.0 <= self.prefetch_efficiency <= 1.0:
+            raise ValueError(f"HardwareSpec.prefetch_efficiency must be in [0, 1], got "
+                             f"{self.prefetch_efficiency}")
         if self.step_overhead_s < 0 or self.mfu > 1.0:
             raise ValueError(f"HardwareSpec.step_overhead_s must be >= 0 and mfu <= 1, got "
                              f"{self.step_overhead_s}, {self.mfu}")

@@ -73,7 +73,7 @@ def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
              + model.attn_flops_per_head_row * model.attn_heads * load.attention_rows)
     compute = max(hbm, flops / rate)
     fetch = load.host_bytes / hw.host_link_bytes_per_s
-    host = exposed_fetch_seconds(fetch, compute, model.num_layers, model.index_group_size)
+    host = exposed_fetch_seconds(fetch, compute, model.num_layers, model.index_group_size, hw.prefetch_efficiency)
     draft = 0.0
     if drafter is not None and load.draft_tokens > 0:
         draft = (drafter.pass_overhead_s + drafter.weight_bytes / hw.hbm_bytes_per_s
