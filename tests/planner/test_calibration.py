@@ -104,3 +104,17 @@ def test_constants_table_lists_every_constant_with_a_source() -> None:
         assert c.low <= c.value <= c.high
     with pytest.raises(ValueError, match="low <= value <= high"):
         dataclasses.replace(CONSTANTS[0], low=CONSTANTS[0].value * 2)
+
+
+def test_calibrated_defaults_are_the_recorded_calibration() -> None:
+    import csv
+    from pathlib import Path
+
+    from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE, CALIBRATED_RECENT_RANGE
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "results" / "calibration.csv"
+    rows = {r["evidence"].split(" (")[0]: r for r in csv.DictReader(path.open())}
+    for name, value, rng in (("result: overlap", CALIBRATED.overlap, CALIBRATED_OVERLAP_RANGE),
+                             ("result: recent_fraction", CALIBRATED.recent_fraction, CALIBRATED_RECENT_RANGE)):
+        row = rows[name]
+        assert (float(row["observed"]), float(row["planner"]), float(row["residual"])) == (value, *rng)

@@ -4,7 +4,7 @@ Example (GLM-class, 32K in / 8K out, H200)::
 
     dhisparse-plan --model glm5-indexshare-nvfp4 --hardware h200 --input-tokens 32768 --output-tokens 8192 \\
         --configs resident hisparse adaptive adaptive+dflash2 --concurrency 8 16 32 \\
-        --overlap 0.6 0.8 0.95 --tpot-bound-ms 50 --out plan_out
+        --tpot-bound-ms 50 --out plan_out        # locality: the calibrated range by default
 
 Writes ``plan.csv``, ``plan.md`` (table + recommendation) and PNG plots into ``--out`` and prints the table.
 ``--sensitivity`` adds ``sensitivity.csv`` / ``sensitivity.md`` / ``sensitivity.png``: for the first config
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from dhisparse.planner.constants import CONSTANTS, Constant, Setup, affects
+from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
 from dhisparse.planner.report import (
     PlanGrid,
     markdown_table,
@@ -54,8 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="policy[+drafter]: resident|hisparse|adaptive, drafter dflash2|dspark")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=1)
-    p.add_argument("--overlap", type=float, nargs="+", default=[0.6, 0.8, 0.95],
-                   help="locality overlaps (report a range, never one tuned value)")
+    p.add_argument("--overlap", type=float, nargs="+",
+                   default=[CALIBRATED_OVERLAP_RANGE[0], CALIBRATED.overlap, CALIBRATED_OVERLAP_RANGE[1]],
+                   help="locality overlaps (report a range, never one tuned value; default: the calibrated "
+                        "range, docs/results/calibration.csv)")
+    p.add_argument("--recent-fraction", type=float, default=CALIBRATED.recent_fraction,
+                   help="share of fresh selections drawn from the recent window (default: calibrated)")
     p.add_argument("--hot-rows", type=int, default=0, help="B per request and layer (0: index_topk x (gamma+1))")
     p.add_argument("--page-rows", type=int, default=64)
     p.add_argument("--reserve-gib", type=float, default=0.0)
@@ -89,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             input_tokens=args.input_tokens, output_tokens=args.output_tokens,
             requests_per_client=args.requests_per_client,
             base_serving=ServingSpec(hot_rows=args.hot_rows, page_rows=args.page_rows,
-                                     reserve_bytes=args.reserve_gib * GIB),
+                                     reserve_bytes=args.reserve_gib * GIB,
+                                     locality=dataclasses.replace(CALIBRATED, recent_fraction=args.recent_fraction)),
             speculation=SpeculationModel(gamma=args.gamma, accept_prob=args.accept_prob, busy_batch=args.busy_batch),
             scale=ScaleSpec(token_scale=args.token_scale, index_groups=args.index_groups), seed=args.seed)
     except ValueError as e:
