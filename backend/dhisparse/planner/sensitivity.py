@@ -118,9 +118,12 @@ def plot_sensitivity(rows: Sequence[Row], path: Path, claims: Sequence[str] | No
     import matplotlib.pyplot as plt
 
     names = list(dict.fromkeys(str(r["claim"]) for r in rows)) if claims is None else list(claims)
-    fig, axes = plt.subplots(len(names), 1, figsize=(7.0, 0.28 * len(CONSTANTS) * len(names) + 0.9 * len(names)),
-                             squeeze=False)
-    for ax, claim in zip(axes[:, 0], names, strict=True):
+    cols = 1 if len(names) < 3 else 2
+    nrows = -(-len(names) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(7.5 * cols, (0.22 * len(CONSTANTS) + 0.9) * nrows), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.axis("off")
+    for ax, claim in zip(axes.flat, names, strict=False):
         sel = [r for r in rows if r["claim"] == claim and not math.isnan(float(r["swing"]))]
         sel.sort(key=lambda r: float(r["swing"]))
         nominal = float(sel[0]["nominal"]) if sel else math.nan
@@ -134,7 +137,8 @@ def plot_sensitivity(rows: Sequence[Row], path: Path, claims: Sequence[str] | No
         ax.axvline(nominal, color="k", lw=0.8)
         if claim.endswith("×") or "/" in claim:
             ax.axvline(1.0, color="grey", lw=0.6, ls=":")
-        ax.set_title(f"{claim} (nominal {nominal:.3g}; orange = low end, blue = high end)", fontsize=7)
+        ax.set_title(f"{claim}\nnominal {nominal:.3g}; orange: constant at its low end, blue: at its high end",
+                     fontsize=7)
         ax.tick_params(axis="x", labelsize=6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
