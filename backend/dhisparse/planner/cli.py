@@ -4,11 +4,14 @@ Example (GLM-class, 32K in / 8K out, H200)::
 
     dhisparse-plan --model glm5-indexshare-nvfp4 --hardware h200 --input-tokens 32768 --output-tokens 8192 \\
         --configs resident hisparse adaptive adaptive+dflash2 --concurrency 8 16 32 \\
-        --overlap 0.6 0.8 0.95 --tpot-bound-ms 50 --out plan_out
+        --tpot-bound-ms 50 --out plan_out        # locality: the calibrated range by default
 
 Writes ``plan.csv``, ``plan.md`` (table + recommendation) and PNG plots into ``--out`` and prints the table.
 ``dhisparse-plan footprint …`` prints one session's required / optional / speculative bytes instead
 (:mod:`dhisparse.planner.footprint_cli`).
+``--sensitivity`` adds ``sensitivity.csv`` / ``sensitivity.md`` / ``sensitivity.png``: for the first config
+against each other one, output and TTFT ratios at every concurrency with each constant of
+``dhisparse.planner.constants`` at the ends of its plausible range (one bar per constant).
 """
 
 from __future__ import annotations
@@ -20,11 +23,25 @@ import time
 from pathlib import Path
 
 from dhisparse import defaults
-from dhisparse.planner.report import PlanGrid, markdown_table, plot_grid, plot_memory, recommend, run_grid, write_csv
+from dhisparse.planner.constants import CONSTANTS, Constant, Setup, affects
+from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
+from dhisparse.planner.report import (
+    PlanGrid,
+    markdown_table,
+    parse_config,
+    plot_grid,
+    plot_memory,
+    recommend,
+    run_grid,
+    write_csv,
+)
 from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.specs import HARDWARE_PRESETS, MODEL_PRESETS
+from dhisparse.planner.sensitivity import COLUMNS as SENS_COLUMNS
+from dhisparse.planner.sensitivity import plot_sensitivity, ratio_claims, sensitivity
+from dhisparse.planner.simulator import SimResult, simulate
+from dhisparse.planner.specs import DRAFTERS, HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
 from dhisparse.planner.speculation import SpeculationModel
-from dhisparse.planner.workload import ServingSpec
+from dhisparse.planner.workload import ServingSpec, WorkloadSpec
 
 GIB = 2.0**30
 
@@ -41,8 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="policy[+drafter]: resident|hisparse|adaptive, drafter dflash2|dspark")
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=1)
-    p.add_argument("--overlap", type=float, nargs="+", default=[0.6, 0.8, 0.95],
-                   help="locality overlaps (report a range, never one tuned value)")
+    p.add_argument("--overlap", type=float, nargs="+",
+                   default=[CALIBRATED_OVERLAP_RANGE[0], CALIBRATED.overlap, CALIBRATED_OVERLAP_RANGE[1]],
+                   help="locality overlaps (report a range, never one tuned value; default: the calibrated "
+                        "range, docs/results/calibration.csv)")
+    p.add_argument("--recent-fraction", type=float, default=CALIBRATED.recent_fraction,
+                   help="share of fresh selections drawn from the recent window (default: calibrated)")
     p.add_argument("--hot-rows", type=int, default=defaults.HOT_ROWS,
                    help="B per request and layer (0: index_topk, with or without a drafter)")
     p.add_argument("--page-rows", type=int, default=defaults.PAGE_ROWS)
@@ -56,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("plan_out"))
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="vary every planner constant over its plausible range (first config vs the others)")
+    p.add_argument("--sensitivity-time-only", action="store_true",
+                   help="with --sensitivity: only the constants that re-timing covers (no new simulations)")
     return p
 
 
@@ -78,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             input_tokens=args.input_tokens, output_tokens=args.output_tokens,
             requests_per_client=args.requests_per_client,
             base_serving=ServingSpec(hot_rows=args.hot_rows, page_rows=args.page_rows,
-                                     reserve_bytes=args.reserve_gib * GIB),
+                                     reserve_bytes=args.reserve_gib * GIB,
+                                     locality=dataclasses.replace(CALIBRATED, recent_fraction=args.recent_fraction)),
             speculation=SpeculationModel(gamma=args.gamma, accept_prob=args.accept_prob, busy_batch=args.busy_batch),
             scale=ScaleSpec(token_scale=args.token_scale, index_groups=args.index_groups), seed=args.seed)
     except ValueError as e:
@@ -111,8 +137,57 @@ def main(argv: list[str] | None = None) -> int:
                     args.out / "memory_split.png")
     print(table)
     print(rec)
+    if args.sensitivity:
+        if len(args.configs) < 2:
+            print("dhisparse-plan: --sensitivity needs at least two --configs", file=sys.stderr)
+            return 2
+        sens = run_sensitivity(args, hw, model, grid, results)
+        write_csv(sens, args.out / "sensitivity.csv", SENS_COLUMNS)
+        (args.out / "sensitivity.md").write_text("# dhisparse-plan --sensitivity\n\n"
+                                                 + markdown_table(sens, SENS_COLUMNS) + "\n")
+        if not args.no_plots:
+            plot_sensitivity(sens, args.out / "sensitivity.png")
+        print(markdown_table(sens, SENS_COLUMNS))
     print(f"wrote {args.out}/ in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def run_sensitivity(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec, grid: PlanGrid,
+                    results: dict[tuple[str, int, float], SimResult]) -> list[dict[str, float | str]]:
+    """``--sensitivity``: base = the grid at its middle overlap; the overlap's range is the grid's own overlaps
+    (their results are reused); other decision constants are simulated again, time constants re-timed."""
+    mid = args.overlap[len(args.overlap) // 2]
+    base = {k: v for k, v in results.items() if k[2] == mid}
+    drafter = next((DRAFTERS[c.partition("+")[2]] for c in args.configs if "+" in c), None)
+    setup = Setup(hw, model, drafter, grid.speculation, dataclasses.replace(grid.base_serving.locality, overlap=mid))
+    constants = []
+    for c in CONSTANTS:
+        if c.target == "locality" and c.field == "overlap":
+            c = dataclasses.replace(c, value=mid, low=min(args.overlap), high=max(args.overlap))
+        if c.retime or not args.sensitivity_time_only:
+            constants.append(c)
+
+    def rerun(c: Constant, changed: Setup) -> dict[tuple[str, int, float], SimResult] | None:
+        if c.target == "locality" and c.field == "overlap":
+            ov = changed.locality.overlap
+            return {(k[0], k[1], mid): v for k, v in results.items() if k[2] == ov} or None
+        out = {k: v for k, v in base.items() if not affects(c, k[0])}
+        if len(out) == len(base):
+            return out  # no config depends on this constant
+        for label, conc, _ in base:
+            if not affects(c, label):
+                continue
+            spec = changed.speculation or grid.speculation
+            serving = dataclasses.replace(parse_config(label, grid.base_serving, spec, changed.model.index_topk),
+                                          locality=changed.locality)
+            work = WorkloadSpec(grid.input_tokens, grid.output_tokens, concurrency=conc,
+                                num_requests=conc * grid.requests_per_client, seed=grid.seed)
+            out[(label, conc, mid)] = simulate(changed.hw, changed.model, serving, work, grid.scale)
+        print(f"  sensitivity: {c.name} = {changed.current(c) * c.scale:.3g} re-simulated", flush=True)
+        return out
+
+    claims = ratio_claims([(args.configs[0], other) for other in args.configs[1:]], args.concurrency)
+    return sensitivity(base, setup, claims, model.gpus, rerun, constants)
 
 
 if __name__ == "__main__":

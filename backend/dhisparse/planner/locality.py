@@ -40,6 +40,14 @@ class LocalityModel:
             raise ValueError("recent_window_tokens must be >= 1")
 
 
+# The calibrated model (docs/results/calibration.csv, written by scripts/reproduce_paper.py): fitted to the
+# paper's published resolution shares; the plausible overlap range spans that fit and the fit to our engine's
+# selection traces (docs/results/engine_trace.json). dhisparse-plan uses these by default.
+CALIBRATED = LocalityModel(overlap=0.858, recent_fraction=0.394)
+CALIBRATED_OVERLAP_RANGE = (0.604, 0.888)
+CALIBRATED_RECENT_RANGE = (0.034, 0.444)
+
+
 class SyntheticSelector:
     """Generates ``[B, Q, K]`` positions per simulated index group with :class:`LocalityModel` statistics."""
 

@@ -40,18 +40,21 @@ Row = dict[str, float | str]
 
 
 def glm_grid(input_tokens: int, concurrencies: tuple[int, ...], overlaps: tuple[float, ...] = OVERLAPS,
-             configs: tuple[str, ...] = CONFIGS) -> PlanGrid:
+             configs: tuple[str, ...] = CONFIGS, locality: LocalityModel | None = None) -> PlanGrid:
+    base = BASE if locality is None else dataclasses.replace(BASE, locality=locality)
     return PlanGrid(configs=configs, concurrencies=concurrencies, overlaps=overlaps, input_tokens=input_tokens,
-                    output_tokens=8192, base_serving=BASE, speculation=SPEC, scale=SCALE)
+                    output_tokens=8192, base_serving=base, speculation=SPEC, scale=SCALE)
 
 
 def glm_32k(concurrencies: tuple[int, ...] = (8, 16, 32, 64, 128), overlaps: tuple[float, ...] = OVERLAPS,
-            log: bool = False) -> tuple[list[Row], dict[tuple[str, int, float], SimResult]]:
-    return run_grid(H200, GLM5_INDEXSHARE_NVFP4, glm_grid(32768, concurrencies, overlaps), log=log)
+            log: bool = False, locality: LocalityModel | None = None
+            ) -> tuple[list[Row], dict[tuple[str, int, float], SimResult]]:
+    return run_grid(H200, GLM5_INDEXSHARE_NVFP4, glm_grid(32768, concurrencies, overlaps, locality=locality), log=log)
 
 
-def glm_100k(overlaps: tuple[float, ...] = OVERLAPS, log: bool = False) -> list[Row]:
-    return run_grid(H200, GLM5_INDEXSHARE_NVFP4, glm_grid(102400, (128,), overlaps), log=log)[0]
+def glm_100k(overlaps: tuple[float, ...] = OVERLAPS, log: bool = False, locality: LocalityModel | None = None,
+             configs: tuple[str, ...] = CONFIGS) -> tuple[list[Row], dict[tuple[str, int, float], SimResult]]:
+    return run_grid(H200, GLM5_INDEXSHARE_NVFP4, glm_grid(102400, (128,), overlaps, configs, locality), log=log)
 
 
 def ratio_table(rows: list[Row], num: str, den: str, metric: str = "output_tok_per_s_per_gpu") -> list[Row]:
@@ -79,7 +82,8 @@ def tpot_bounds(rows: list[Row], bounds_s: tuple[float, ...] = (0.02, 0.03, 0.05
 
 
 def load_step(overlaps: tuple[float, ...] = OVERLAPS, low: int = 4, high: int = 64, up_s: float = 40.0,
-              down_s: float = 120.0, log: bool = False) -> tuple[list[Row], dict[str, SimResult]]:
+              down_s: float = 120.0, log: bool = False,
+              locality: LocalityModel = LocalityModel()) -> tuple[list[Row], dict[str, SimResult]]:
     """Clients ``low`` until ``up_s``, ``high`` until ``down_s``, then ``low`` again (32K / 8K, no drafter).
 
     Phases (by step time): ``low-before`` (t < up_s), ``high`` (up_s <= t < end of the last high-phase request's
@@ -91,7 +95,7 @@ def load_step(overlaps: tuple[float, ...] = OVERLAPS, low: int = 4, high: int = 
     total = 2 * low + high
     for policy in ("hisparse", "adaptive"):
         for overlap in overlaps:
-            serving = dataclasses.replace(BASE, policy=policy, locality=LocalityModel(overlap=overlap))
+            serving = dataclasses.replace(BASE, policy=policy, locality=dataclasses.replace(locality, overlap=overlap))
             work = WorkloadSpec(32768, 8192, concurrency=low, num_requests=total,
                                 concurrency_schedule=((up_s, high), (down_s, low)))
             res = simulate(H200, GLM5_INDEXSHARE_NVFP4, serving, work, SCALE)
@@ -129,7 +133,7 @@ def footprints(model: ModelSpec, input_tokens: int, output_tokens: int, gamma: i
 
 
 def deepseek_500k(concurrency: int = 0, output_tokens: int = 2048, overlaps: tuple[float, ...] = OVERLAPS,
-                  log: bool = False) -> tuple[list[Row], list[Row]]:
+                  log: bool = False, locality: LocalityModel = LocalityModel()) -> tuple[list[Row], list[Row]]:
     """DeepSeek-V3.2 at 500K: the footprints (C512 does not fit any policy), then resident+dspark, hisparse and
     adaptive+dspark simulated at ``concurrency`` (0: the largest that adaptive admits at once)."""
     prompt = 500_000
@@ -140,7 +144,7 @@ def deepseek_500k(concurrency: int = 0, output_tokens: int = 2048, overlaps: tup
     for label in ("resident+dspark", "hisparse", "adaptive+dspark"):
         for overlap in overlaps if not label.startswith("resident") else overlaps[:1]:
             serving = dataclasses.replace(parse_config(label, BASE, spec, DSV32.index_topk),
-                                          locality=LocalityModel(overlap=overlap))
+                                          locality=dataclasses.replace(locality, overlap=overlap))
             work = WorkloadSpec(prompt, output_tokens, concurrency=c, num_requests=c)
             row, _ = run_one(H200, DSV32, serving, work, SCALE)
             rows.append(row)

@@ -23,7 +23,7 @@ from dhisparse.planner.speculation import SpeculationModel
 from dhisparse.planner.workload import ServingSpec, WorkloadSpec
 
 COLUMNS = ("label", "concurrency", "overlap", "output_tok_per_s_per_gpu", "decode_tok_per_s", "mean_ttft_s",
-           "mean_tpot_s", "host_share", "hot_share", "direct_share", "mean_batch", "max_batch",
+           "mean_tpot_s", "host_share", "hot_share", "direct_share", "host_overlap", "mean_batch", "max_batch",
            "admissions_waited", "reclaim_events", "requests_done", "makespan_s", "wall_s")
 
 
@@ -89,14 +89,19 @@ def run_one(hw: HardwareSpec, model: ModelSpec, serving: ServingSpec, workload: 
     """One simulation -> (table row, result). Rows carry the label, concurrency, overlap and wall time (s)."""
     start = time.perf_counter()
     result = simulate(hw, model, serving, workload, scale)
-    s = result.summary()
-    row: dict[str, float | str] = {"label": serving.label, "concurrency": workload.concurrency,
-                                   "overlap": serving.locality.overlap}
-    row.update(s)
-    row["output_tok_per_s_per_gpu"] = s["output_tok_per_s"] / model.gpus
-    row["decode_tok_per_s"] = decode_tok_per_s(result)
+    row = result_row(result, serving.label, workload.concurrency, serving.locality.overlap, model.gpus)
     row["wall_s"] = time.perf_counter() - start
     return row, result
+
+
+def result_row(result: SimResult, label: str, concurrency: int, overlap: float, gpus: int) -> dict[str, float | str]:
+    """The table row of one result (summary + per-GPU output + steady decode throughput)."""
+    s = result.summary()
+    row: dict[str, float | str] = {"label": label, "concurrency": concurrency, "overlap": overlap}
+    row.update(s)
+    row["output_tok_per_s_per_gpu"] = s["output_tok_per_s"] / gpus
+    row["decode_tok_per_s"] = decode_tok_per_s(result)
+    return row
 
 
 def run_grid(hw: HardwareSpec, model: ModelSpec, grid: PlanGrid,

@@ -3,7 +3,11 @@
 Public API::
 
     result = simulate(hw, model, serving, workload, scale=ScaleSpec(token_scale=32), drafter=None)
-    result.summary()   # output tokens/s per GPU, mean TTFT, mean TPOT, host-fetched share, ...
+    result.summary()   # output tokens/s per GPU, mean TTFT, mean TPOT, host-fetched share, host_overlap, ...
+
+``host_overlap`` in the summary is the fraction of host-fetch time the index-group schedule hid
+(:mod:`dhisparse.planner.overlap`), an outcome of the run. A closed-loop run without load steps makes the same
+KV decisions whatever the time constants are, so :func:`dhisparse.planner.retime.retime` can re-time it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from dhisparse.planner.core import EngineCore, SimRequest, StepOutcome
 from dhisparse.planner.locality import SyntheticSelector
+from dhisparse.planner.overlap import host_overlap
 from dhisparse.planner.scale import ScaledKV, ScaleSpec, build_scaled_kv
 from dhisparse.planner.specs import DRAFTERS, DrafterSpec, HardwareSpec, ModelSpec
 from dhisparse.planner.timing import StepLoad, decode_step_seconds, prefill_seconds
@@ -52,6 +57,10 @@ class SimResult:
     byte_factor: float
     max_batch: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # what the clock did, in order: ("issue" | "prefill" | "finish", request) and ("decode", StepLoad); None when
+    # the run's decisions depend on time (load steps, Poisson arrivals) and it cannot be re-timed
+    log: list[tuple[str, object]] | None = None
+    drafter: DrafterSpec | None = None
 
     def summary(self) -> dict[str, float]:
         done = [r for r in self.requests if r.finish_s is not None]
@@ -110,6 +119,9 @@ class Simulator:
         self.check_every = check_invariants_every
         self.clock = 0.0
         self.issued = 0
+        self.retimable = workload.concurrency > 0 and not workload.concurrency_schedule
+        self.log: list[tuple[str, object]] = []
+        self.fetch_s = self.exposed_s = 0.0
         self.requests: list[SimRequest] = []
         self.arrivals: collections.deque[float] = collections.deque(
             workload.poisson_arrivals() if workload.concurrency == 0 else [])
@@ -122,6 +134,7 @@ class Simulator:
         req.prompt_tokens = w.input_tokens  # type: ignore[attr-defined]
         req.extra_real_tokens = 0  # type: ignore[attr-defined]
         self.issued += 1
+        self.log.append(("issue", req))
         self.requests.append(req)
         self.core.waiting.append(req)
 
@@ -166,6 +179,7 @@ class Simulator:
 
     def _on_admit(self, req: SimRequest) -> None:
         req.admitted_s = self.clock
+        self.log.append(("prefill", req))
         self.clock += prefill_seconds(self.hw, self.model, req.prompt_tokens)  # type: ignore[attr-defined]
         req.first_token_s = self.clock
 
@@ -175,13 +189,13 @@ class Simulator:
         ctx = context.to(torch.float64)
         q = query_lens.to(torch.float64)
         page_bytes_sim = kvs.config.page_rows * kvs.layout.row_bytes
-        host_bytes = (host_rows_sim * kvs.byte_factor * m.row_bytes
-                      + refill_pages_sim * page_bytes_sim * kvs.byte_factor / self.g)
+        host_bytes = host_rows_sim * kvs.byte_factor * m.row_bytes
+        refill_bytes = refill_pages_sim * page_bytes_sim * kvs.byte_factor / self.g
         spec = self.serving.speculation
         return StepLoad(batch=len(batch), query_tokens=int(q.sum()),
                         attention_rows=float((q * torch.clamp(ctx, max=m.index_topk)).sum()) * m.num_layers,
                         index_keys_scanned=float((q * ctx).sum()) * m.num_indexers, host_bytes=host_bytes,
-                        draft_tokens=0 if spec is None else spec.gamma * len(batch))
+                        draft_tokens=0 if spec is None else spec.gamma * len(batch), refill_bytes=refill_bytes)
 
     def step(self) -> tuple[StepOutcome, float]:
         """One engine step; advances the clock. Returns the outcome and the decode time (s)."""
@@ -204,7 +218,11 @@ class Simulator:
             after = core.counters()
             load = self._decode_load(batch, q, load_ctx, after["rows_host"] - mid["rows_host"],
                                      after["optional_pages_refill_issued"] - before["optional_pages_refill_issued"])
-            step_s = decode_step_seconds(self.hw, self.model, load, self.drafter if spec else None)["total"] * self.g
+            parts = decode_step_seconds(self.hw, self.model, load, self.drafter if spec else None)
+            step_s = parts["total"] * self.g
+            self.fetch_s += parts["fetch"] * self.g
+            self.exposed_s += parts["host"] * self.g
+            self.log.append(("decode", load))
             self.clock += step_s
             self._stamp_finished()
             host = after["rows_host"] - mid["rows_host"]
@@ -216,6 +234,7 @@ class Simulator:
     def _stamp_finished(self) -> None:
         for req in self._finished_now:
             req.finish_s = self.clock
+            self.log.append(("finish", req))
         self._finished_now = []
 
     def _record(self, batch: int, host_share: float, step_s: float) -> None:
@@ -239,6 +258,7 @@ class Simulator:
                 if nxt is None:
                     break
                 self.clock = max(self.clock, nxt)
+                self.retimable = False
                 continue
             out, _ = self.step()
             steps += 1
@@ -255,7 +275,9 @@ class Simulator:
         start = min((r.arrival_s for r in self.requests), default=0.0)
         return SimResult(self.serving.label, self.requests, self.timeline,
                          {k: float(v) for k, v in core.kv.counters.items()}, float(real_tokens),
-                         self.clock - start, steps, self.g, self.kvs.byte_factor, self.max_batch)
+                         self.clock - start, steps, self.g, self.kvs.byte_factor, self.max_batch,
+                         {"host_overlap": host_overlap(self.fetch_s, self.exposed_s)},
+                         self.log if self.retimable else None, self.drafter if self.serving.speculation else None)
 
 
 def simulate(hw: HardwareSpec, model: ModelSpec, serving: ServingSpec, workload: WorkloadSpec,

@@ -27,7 +27,8 @@ class HardwareSpec:
         flops_per_s: dense tensor FLOP rate at the serving precision (FLOP/s).
         mfu: fraction of ``flops_per_s`` reached by decode/prefill kernels (0..1).
         step_overhead_s: fixed time per decode step: launches, collectives, sampling, scheduling (s).
-        host_overlap: fraction of host-fetch time hidden behind compute (0 = serialised, conservative).
+        prefetch_efficiency: fraction of the host-fetch time that the index-group schedule *could* hide which a
+            real implementation does hide (copies contend with attention for SMs and HBM); see overlap.py.
         source: where the figures come from.
     """
 
@@ -38,13 +39,17 @@ class HardwareSpec:
     flops_per_s: float
     mfu: float = 0.4
     step_overhead_s: float = 0.012
-    host_overlap: float = 0.0
+    prefetch_efficiency: float = 0.93
     source: str = ""
 
     def __post_init__(self) -> None:
         _positive(self, "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "flops_per_s", "mfu")
-        if self.step_overhead_s < 0 or not 0.0 <= self.host_overlap <= 1.0 or self.mfu > 1.0:
-            raise ValueError("step_overhead_s must be >= 0, host_overlap and mfu in [0, 1]")
+        if not 0.0 <= self.prefetch_efficiency <= 1.0:
+            raise ValueError(f"HardwareSpec.prefetch_efficiency must be in [0, 1], got "
+                             f"{self.prefetch_efficiency}")
+        if self.step_overhead_s < 0 or self.mfu > 1.0:
+            raise ValueError(f"HardwareSpec.step_overhead_s must be >= 0 and mfu <= 1, got "
+                             f"{self.step_overhead_s}, {self.mfu}")
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,8 @@ H200 = HardwareSpec(
     flops_per_s=1979e12,
     source=("NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s, FP8 1,979 TFLOPS dense (3,958 with "
             "sparsity); host link PCIe Gen5 x16 (64 GB/s per direction nominal). ASSUMED: 25 GB/s effective for "
-            "scattered 656-byte row gathers, step overhead 12 ms (TP8 collectives + launches), mfu 0.4."),
+            "scattered 656-byte row gathers, step overhead 12 ms (TP8 collectives + launches), mfu 0.4; prefetch "
+            "efficiency 0.93 (sglang PR #29637). Ranges and sources: dhisparse.planner.constants."),
 )
 
 RTX_PRO_6000 = HardwareSpec(

@@ -2,15 +2,21 @@
 
 Decode step (seconds)::
 
-    t = step_overhead + max(hbm_bytes / hbm_bw, flops / (flop_rate * mfu)) + (1 - host_overlap) * host_bytes / host_bw
-        [+ draft pass: drafter overhead + drafter weights / hbm_bw + drafter flops / (flop_rate * mfu)]
+    compute = max(hbm_bytes / hbm_bw, flops / (flop_rate * mfu))
+    path    = step_overhead + compute + exposed(host_bytes / host_bw, compute) [+ draft pass]
+    t       = max(path, (host_bytes + refill_bytes) / host_bw)
+        draft pass: drafter overhead + drafter weights / hbm_bw + drafter flops / (flop_rate * mfu)
+
+``exposed`` is the index-group schedule of :mod:`dhisparse.planner.overlap`: a full layer's fetched rows are
+on the critical path, its shared layers' rows are copied while the layers before them compute. Refilled
+optional pages are asynchronous and only bound the step by the link's total busy time.
 
 - ``hbm_bytes``: weights read (dense part + the routed experts the step's tokens touch:
   ``E * (1 - (1 - k/E)^tokens)`` per MoE layer), the rows attention reads (each query its own selection,
   ``min(index_topk, L)`` rows per layer), and the indexer keys scanned (``L`` keys per indexer layer per query).
 - ``flops``: ``2 * active_params`` per token, indexer ``2 * heads * dim`` per scanned key, attention
   ``attn_flops_per_head_row * heads`` per selected row.
-- ``host_bytes``: rows fetched from host (resolver step 3) and optional pages refilled, in real bytes.
+- ``host_bytes``: rows fetched from host (resolver step 3); ``refill_bytes``: optional pages refilled (real bytes).
 
 Prefill (seconds): ``2 * active_params * T`` + indexer ``2 * heads * dim * T^2 / 2`` per indexer layer + sparse
 attention ``T * min(topk, T)`` rows per layer, at ``flop_rate * mfu``, divided over the model's GPUs.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dhisparse.planner.overlap import exposed_fetch_seconds
 from dhisparse.planner.specs import DrafterSpec, HardwareSpec, ModelSpec
 
 
@@ -32,8 +39,10 @@ class StepLoad:
         query_tokens: query tokens over the batch (``sum q_i``).
         attention_rows: rows read by attention over all layers and queries.
         index_keys_scanned: indexer keys scored over all indexer layers and queries.
-        host_bytes: bytes moved host→device (fetched rows + refilled pages).
+        host_bytes: bytes of rows fetched host→device by the resolver (on the step's critical path unless
+            the index-group schedule hides them).
         draft_tokens: draft tokens proposed (0 without speculation).
+        refill_bytes: bytes of optional pages refilled host→device (asynchronous).
     """
 
     batch: int
@@ -42,6 +51,7 @@ class StepLoad:
     index_keys_scanned: float
     host_bytes: float
     draft_tokens: int = 0
+    refill_bytes: float = 0.0
 
 
 def weight_bytes_read(model: ModelSpec, tokens: int) -> float:
@@ -53,7 +63,8 @@ def weight_bytes_read(model: ModelSpec, tokens: int) -> float:
 
 def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
                         drafter: DrafterSpec | None = None) -> dict[str, float]:
-    """Time of one real decode (or verification) step and its parts (seconds)."""
+    """Time of one real decode (or verification) step and its parts (seconds): ``host`` is the exposed
+    fetch time, ``fetch`` all of it, ``link`` the host link's busy time (fetches + refills)."""
     rate = hw.flops_per_s * hw.mfu
     kv_bytes = load.attention_rows * model.row_bytes + load.index_keys_scanned * model.index_key_bytes
     hbm = (weight_bytes_read(model, load.query_tokens) + kv_bytes) / hw.hbm_bytes_per_s
@@ -61,13 +72,16 @@ def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
              + 2.0 * model.index_heads * model.index_head_dim * load.index_keys_scanned / model.gpus
              + model.attn_flops_per_head_row * model.attn_heads * load.attention_rows)
     compute = max(hbm, flops / rate)
-    host = (1.0 - hw.host_overlap) * load.host_bytes / hw.host_link_bytes_per_s
+    fetch = load.host_bytes / hw.host_link_bytes_per_s
+    host = exposed_fetch_seconds(fetch, compute, model.num_layers, model.index_group_size, hw.prefetch_efficiency)
     draft = 0.0
     if drafter is not None and load.draft_tokens > 0:
         draft = (drafter.pass_overhead_s + drafter.weight_bytes / hw.hbm_bytes_per_s
                  + drafter.flops_per_token * load.draft_tokens / rate)
-    total = hw.step_overhead_s + compute + host + draft
-    return {"total": total, "overhead": hw.step_overhead_s, "compute": compute, "host": host, "draft": draft}
+    link = (load.host_bytes + load.refill_bytes) / hw.host_link_bytes_per_s
+    total = max(hw.step_overhead_s + compute + host + draft, link)
+    return {"total": total, "overhead": hw.step_overhead_s, "compute": compute, "host": host, "draft": draft,
+            "fetch": fetch, "link": link}
 
 
 def prefill_seconds(hw: HardwareSpec, model: ModelSpec, tokens: int) -> float:

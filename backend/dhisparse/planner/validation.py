@@ -80,7 +80,7 @@ def hisparse_capacity(model: ModelSpec, hw: HardwareSpec) -> int:
 
 
 def run_validation(overlaps: tuple[float, ...] = (0.6, 0.8, 0.95), token_scale: int = 16,
-                   log: bool = False) -> list[dict[str, float | str]]:
+                   log: bool = False, locality: LocalityModel = LocalityModel()) -> list[dict[str, float | str]]:
     """Baseline (resident) and HiSparse at every published batch and overlap; rows with ours and theirs.
     ``variant`` is ``hisparse`` (the PR's pool) or ``hisparse (pool x4)`` (every batch fits)."""
     hw, model = validation_setup()
@@ -95,7 +95,7 @@ def run_validation(overlaps: tuple[float, ...] = (0.6, 0.8, 0.95), token_scale: 
     for variant, spec_model in (("hisparse", model), ("hisparse (pool x4)", big)):
         for overlap in overlaps:
             serving = ServingSpec(policy="hisparse", hot_rows=DEVICE_BUFFER_ROWS,
-                                  locality=LocalityModel(overlap=overlap))
+                                  locality=dataclasses.replace(locality, overlap=overlap))
             for i, b in enumerate(BATCHES):
                 if variant != "hisparse" and b <= fits:  # same run as with the PR's pool
                     same = next(r for r in rows if r["variant"] == "hisparse" and r["overlap"] == overlap
