@@ -19,9 +19,9 @@ from dhisparse import SamplingParams
 
 pytest.importorskip("nixl._api", reason="NIXL (nixl==1.5.1) is not installed")
 
-from dhisparse.disagg.decode import load_decode_engine  # noqa: E402
-from dhisparse.disagg.nixl_transfer import NixlExporter, NixlImporter  # noqa: E402
-from dhisparse.disagg.prefill import PrefillEngine, PrefillService  # noqa: E402
+from dhisparse.disagg.decode import load_decode_engine
+from dhisparse.disagg.nixl_transfer import NixlExporter, NixlImporter
+from dhisparse.disagg.prefill import PrefillEngine, PrefillService
 
 PROMPTS = random_prompts([5, 18, 33, 41], 96, seed=3)
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -32,7 +32,7 @@ def sides(tiny_engine):
     engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
     service = PrefillService(PrefillEngine(engine_dir), NixlExporter("prop-context", hold_timeout_s=60.0))
     importer = NixlImporter("prop-decode", timeout_s=5.0)
-    probe = load_decode_engine(engine_dir, importer, kv_policy="adaptive", page_rows=4, pool_bytes=1 << 30)
+    probe = load_decode_engine(engine_dir, importer, kv_policy="adaptive", page_rows=4, pool_bytes=1 << 24)
     need = probe.kv.required_bytes(max(len(p) for p in PROMPTS), PARAMS.max_tokens)
     yield engine_dir, service, importer, need
     importer.close()

@@ -26,7 +26,7 @@ from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig,
 from dhisparse_builder import BuildOptions, build_engine  # noqa: E402
 
 LENGTHS = [7, 23, 50, 97]
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -61,7 +61,7 @@ def importer():
 
 
 def _tight_pool(engine_dir: Path, **kwargs) -> int:
-    probe = LLM(engine_dir, **kwargs, pool_bytes=1 << 30)
+    probe = LLM(engine_dir, **kwargs, pool_bytes=1 << 24)
     need = probe.engine.kv.required_bytes(max(LENGTHS), NEW_TOKENS)
     return need + 2 * probe.engine.model.cfg.row_dim * 4 * 4 * probe.config.page_rows
 

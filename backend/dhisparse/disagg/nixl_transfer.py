@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dhisparse.disagg.arena import ArenaRanges
 from dhisparse.disagg.params import ContextPhaseParams
 from dhisparse.errors import DHiSparseError
 
@@ -44,28 +45,52 @@ def _agent(name: str) -> Any:
 
 
 class NixlExporter:
-    """Prefill side: publish regions, free them on the consumer's notification or after ``hold_timeout_s``."""
+    """Prefill side: publish regions, free them on the consumer's notification or after ``hold_timeout_s``.
 
-    def __init__(self, name: str, hold_timeout_s: float = 60.0) -> None:
+    Regions are carved out of arenas registered once (``arena_bytes`` each; a region larger than every free
+    range gets a new arena of at least twice its size)."""
+
+    def __init__(self, name: str, hold_timeout_s: float = 60.0, arena_bytes: int = 64 << 20) -> None:
         self.name = name
         self.hold_timeout_s = hold_timeout_s
+        self.arena_bytes = arena_bytes
         self.agent = _agent(name)
-        self._held: dict[str, tuple[torch.Tensor, Any, float]] = {}  # key -> (region, registration, deadline)
+        self._arenas: list[tuple[torch.Tensor, Any, bytes, ArenaRanges]] = []  # buffer, registration, metadata
+        self._held: dict[str, tuple[int, int, int, float]] = {}  # key -> (arena, offset, bytes, deadline)
         self.counters = {"regions_published": 0.0, "regions_released": 0.0, "regions_expired": 0.0,
                          "bytes_published": 0.0}
 
-    def publish(self, key: str, region: torch.Tensor) -> tuple[int, bytes]:
-        """Register ``region`` (uint8, CPU) under ``key``; returns its address and the agent's partial metadata
-        for it (connection info + this region's registration: ``get_partial_agent_metadata``)."""
+    def _new_arena(self, nbytes: int) -> int:
+        buffer = torch.zeros(max(self.arena_bytes, 2 * nbytes), dtype=torch.uint8)
+        registration = self.agent.register_memory(buffer)
+        if not registration:
+            raise TransferError("could not register a transfer arena with NIXL")
+        metadata = self.agent.get_partial_agent_metadata(registration, True, ["UCX"])
+        self._arenas.append((buffer, registration, metadata, ArenaRanges(buffer.numel())))
+        return len(self._arenas) - 1
+
+    def publish(self, key: str, nbytes: int) -> tuple[torch.Tensor, bytes]:
+        """Reserve a region of ``nbytes`` under ``key``: returns the writable uint8 view (fill it before handing
+        out the params) and the agent's partial metadata of its arena (connection info + the arena's
+        registration, ``get_partial_agent_metadata``)."""
         if key in self._held:
             raise ValueError(f"region {key!r} is already published")
-        registration = self.agent.register_memory(region)
-        if not registration:
-            raise TransferError(f"could not register the region of {key!r} with NIXL")
-        self._held[key] = (region, registration, time.monotonic() + self.hold_timeout_s)
+        placed = None
+        for i, arena in enumerate(self._arenas):
+            offset = arena[3].allocate(nbytes)
+            if offset is not None:
+                placed = (i, offset)
+                break
+        if placed is None:
+            i = self._new_arena(nbytes)
+            placed = (i, self._arenas[i][3].allocate(nbytes))
+        index, offset = placed
+        assert offset is not None
+        buffer, _, metadata, _ = self._arenas[index]
+        self._held[key] = (index, offset, nbytes, time.monotonic() + self.hold_timeout_s)
         self.counters["regions_published"] += 1
-        self.counters["bytes_published"] += region.numel()
-        return region.data_ptr(), self.agent.get_partial_agent_metadata(registration, True, ["UCX"])
+        self.counters["bytes_published"] += nbytes
+        return buffer[offset : offset + nbytes], metadata
 
     def poll(self) -> list[str]:
         """Release regions whose READ completed (notification) or whose deadline passed; returns the keys."""
@@ -77,7 +102,7 @@ class NixlExporter:
                     self.counters["regions_released"] += 1
                     released.append(key)
         now = time.monotonic()
-        for key in [k for k, (_, _, deadline) in self._held.items() if deadline <= now]:
+        for key in [k for k, (_, _, _, deadline) in self._held.items() if deadline <= now]:
             self._release(key)
             self.counters["regions_expired"] += 1
             released.append(key)
@@ -87,7 +112,8 @@ class NixlExporter:
         held = self._held.pop(key, None)
         if held is None:
             return False
-        self.agent.deregister_memory(held[1])
+        index, offset, nbytes, _ = held
+        self._arenas[index][3].free(offset, nbytes)
         return True
 
     @property
@@ -96,11 +122,15 @@ class NixlExporter:
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "regions_held": float(len(self._held)),
-                "bytes_held": float(sum(r.numel() for r, _, _ in self._held.values()))}
+                "bytes_held": float(sum(n for _, _, n, _ in self._held.values())),
+                "arena_bytes": float(sum(b.numel() for b, _, _, _ in self._arenas))}
 
     def close(self) -> None:
         for key in list(self._held):
             self._release(key)
+        for _, registration, _, _ in self._arenas:
+            self.agent.deregister_memory(registration)
+        self._arenas.clear()
 
 
 class NixlImporter:
@@ -110,49 +140,44 @@ class NixlImporter:
         self.name = name
         self.timeout_s = timeout_s
         self.agent = _agent(name)
-        self._remotes: set[str] = set()  # agents whose metadata is loaded
+        self._remotes: dict[str, set[bytes]] = {}  # agent name -> the (partial) metadata loaded for it
         self._registered: dict[int, tuple[torch.Tensor, Any]] = {}  # data_ptr -> (tensor, registration)
         self._scratch = torch.zeros(0, dtype=torch.uint8)
 
     def scratch(self, nbytes: int) -> torch.Tensor:
         """A registered uint8 buffer of at least ``nbytes`` (reused; its content lives until the next call)."""
         if self._scratch.numel() < max(nbytes, 1):
-            self._forget(self._scratch)
             self._scratch = torch.zeros(max(nbytes, 4096, 2 * self._scratch.numel()), dtype=torch.uint8)
         return self._scratch[:nbytes]
 
-    def _forget(self, tensor: torch.Tensor) -> None:
-        held = self._registered.pop(tensor.data_ptr(), None)
-        if held is not None:
-            self.agent.deregister_memory(held[1])
-
     def _ensure_registered(self, tensors: list[torch.Tensor]) -> None:
-        wanted = {t.data_ptr(): t for t in tensors}
-        for ptr in [p for p in self._registered if p not in wanted]:
-            # the host store moved (it grew) or the scratch buffer was replaced: drop the old registration
-            self.agent.deregister_memory(self._registered.pop(ptr)[1])
-        for ptr, tensor in wanted.items():
-            if ptr in self._registered and self._registered[ptr][0].numel() * self._registered[ptr][0].element_size() \
-                    == tensor.numel() * tensor.element_size():
-                continue
-            if ptr in self._registered:
-                self.agent.deregister_memory(self._registered.pop(ptr)[1])
+        """Register the storage behind each tensor once; drop registrations of storage no longer wanted (the host
+        store grew, i.e. moved, or the scratch buffer was replaced)."""
+        bases = {}
+        for tensor in tensors:
             base = tensor if tensor._base is None else tensor._base
-            registration = self.agent.register_memory(base)
-            if not registration:
-                raise TransferError("could not register decode-side memory with NIXL")
-            self._registered[ptr] = (base, registration)
+            bases[base.data_ptr()] = base
+        for ptr in [p for p, (t, _) in self._registered.items() if bases.get(p) is not t]:
+            self.agent.deregister_memory(self._registered.pop(ptr)[1])
+        for ptr, base in bases.items():
+            if ptr not in self._registered:
+                registration = self.agent.register_memory(base)
+                if not registration:
+                    raise TransferError("could not register decode-side memory with NIXL")
+                self._registered[ptr] = (base, registration)
 
     def _remote(self, context: ContextPhaseParams) -> str:
-        """Load the exporter's partial metadata of this region (NIXL merges it into what it knows of that agent:
-        connection info on first use, then one registered region per request)."""
+        """Load the exporter's partial metadata of the region's arena once (NIXL merges partial metadata into
+        what it knows of that agent: connection info on first use, then each arena's registration)."""
         if not context.agent_metadata:
             raise TransferError(f"context_phase_params of {context.request_key!r} carry no NIXL agent metadata")
+        if context.agent_metadata in self._remotes.get(context.agent_name, ()):
+            return context.agent_name
         name = self.agent.add_remote_agent(context.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         if name != context.agent_name:
             raise TransferError(f"NIXL metadata names agent {name!r}, the params say {context.agent_name!r}")
-        self._remotes.add(name)
+        self._remotes.setdefault(name, set()).add(context.agent_metadata)
         return name
 
     def read(self, context: ContextPhaseParams, tensors: list[torch.Tensor], local_addrs: np.ndarray,
@@ -207,8 +232,7 @@ class NixlImporter:
                                 f"(NIXL state {state})")
 
     def _drop_remote(self, name: str) -> None:
-        if name in self._remotes:
-            self._remotes.discard(name)
+        if self._remotes.pop(name, None) is not None:
             try:
                 self.agent.remove_remote_agent(name)
             except Exception:

@@ -88,10 +88,9 @@ class RegionLayout:
     def total_bytes(self) -> int:
         return self.features_offset + self.features_bytes
 
-    def pack(self, rows: torch.Tensor, keys: dict[int, torch.Tensor], features: torch.Tensor | None
-             ) -> torch.Tensor:
-        """One contiguous uint8 CPU buffer holding rows, keys and features at their offsets."""
-        buf = torch.zeros(self.total_bytes, dtype=torch.uint8)
+    def pack(self, buf: torch.Tensor, rows: torch.Tensor, keys: dict[int, torch.Tensor],
+             features: torch.Tensor | None) -> None:
+        """Write rows, keys and features at their offsets into ``buf`` (uint8, CPU, ``total_bytes`` long)."""
         dtype = DTYPES[self.rows_dtype]
         buf[: self.rows_bytes] = rows.detach().to("cpu", dtype).contiguous().view(-1).view(torch.uint8)
         for layer in self.key_layers:
@@ -102,7 +101,6 @@ class RegionLayout:
             off = self.features_offset
             buf[off : off + self.features_bytes] = features.detach().to("cpu", torch.float32).contiguous() \
                 .view(-1).view(torch.uint8)
-        return buf
 
     def unpack_rows(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[: self.rows_bytes].view(DTYPES[self.rows_dtype]).view(self.num_sources, self.prompt_len,

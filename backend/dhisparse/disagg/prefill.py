@@ -98,9 +98,10 @@ class PrefillService:
             feature_rows=0 if result.features is None else int(result.features.shape[0]),
             feature_dim=0 if result.features is None else int(result.features.shape[1]),
         )
-        region = layout.pack(result.rows, result.index_keys, result.features)
         key = f"{self.exporter.name}/{next(self._keys)}/{request_id}"
-        addr, metadata = self.exporter.publish(key, region)
+        region, metadata = self.exporter.publish(key, layout.total_bytes)
+        layout.pack(region, result.rows, result.index_keys, result.features)
+        addr = region.data_ptr()
         self.counters["context_requests"] += 1
         self.counters["context_prefill_seconds"] += result.prefill_s
         return ContextPhaseParams(
