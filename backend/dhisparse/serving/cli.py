@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-file", type=Path, default=None, help="write the server log here (default: terminal)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill/decode disaggregation: `context` and `generation` engine processes joined by NIXL, "
+                        "orchestrated by `disaggregated_serving_bls` (see docs/disaggregated.md)")
     g = p.add_argument_group("engine runtime options (override the engine's runtime.json)")
     for name, kind, help_text in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
@@ -86,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dhisparse-serve-") as work:
         model_repo = args.model_repo or Path(work) / "model_repository"
         model_repo.mkdir(parents=True, exist_ok=True)
-        models = fill_model_repository(spec, model_repo, args.templates)
+        if args.disaggregated:
+            from dhisparse.disagg.repository import fill_disaggregated_repository
+
+            models = fill_disaggregated_repository(spec, model_repo, args.templates)
+        else:
+            models = fill_model_repository(spec, model_repo, args.templates)
         backend_dir = prepare_backend_dir(install, Path(work) / "backends")
         http, grpc, metrics = _ports(args, args.address)
         config = ServerConfig(model_repo, backend_dir, http, grpc, metrics, args.address, args.log_verbose)
