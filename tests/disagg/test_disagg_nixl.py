@@ -60,6 +60,22 @@ def importer():
     imp.close()
 
 
+@pytest.fixture(scope="module")
+def workers(engine_dir):
+    """Context processes by speculative setting, started on first use and shared by the tests."""
+    started: dict = {}
+
+    def get(speculative: str | None) -> ContextWorker:
+        if speculative not in started:
+            spec = {"speculative": speculative, "num_draft_tokens": 4} if speculative else {}
+            started[speculative] = ContextWorker(engine_dir, agent_name=f"context-{speculative or 'plain'}", **spec)
+        return started[speculative]
+
+    yield get
+    for worker in started.values():
+        worker.close()
+
+
 def _tight_pool(engine_dir: Path, **kwargs) -> int:
     probe = LLM(engine_dir, **kwargs, pool_bytes=1 << 24)
     need = probe.engine.kv.required_bytes(max(LENGTHS), NEW_TOKENS)
@@ -69,7 +85,8 @@ def _tight_pool(engine_dir: Path, **kwargs) -> int:
 def _run(engine: DecodeEngine, ids: list[str]) -> dict[str, list[int]]:
     while any(engine.requests[i].finish_reason is None for i in ids):
         engine.step()
-        engine.kv.check_invariants() if hasattr(engine.kv, "check_invariants") else None
+        if hasattr(engine.kv, "check_invariants"):  # the dense reference store has none
+            engine.kv.check_invariants()
     return {i: list(engine.requests[i].output_token_ids) for i in ids}
 
 
@@ -83,40 +100,39 @@ def _wait_released(worker: ContextWorker) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("speculative", [None, "dflash2", "dspark"])
-def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, importer, speculative) -> None:
+def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, importer, workers, speculative
+                                               ) -> None:
     spec = {"speculative": speculative, "num_draft_tokens": 4} if speculative else {}
-    worker = ContextWorker(engine_dir, agent_name=f"context-{speculative or 'plain'}", **spec)
-    try:
-        for policy in ("dense", "resident", "hisparse", "adaptive"):
-            kwargs = dict(kv_policy=policy, page_rows=8, max_batch_size=4, **spec)
-            tight = policy != "dense"
-            if tight:
-                kwargs["pool_bytes"] = _tight_pool(engine_dir, **kwargs)
-            engine = load_decode_engine(engine_dir, importer, **kwargs)
-            ids = []
-            for n, prompt in enumerate(prompts):  # every context phase first: the prefill side holds the rows
-                rid = f"{policy}-{n}"
-                ids.append(engine.add_imported_request(prompt, PARAMS, worker.prefill(prompt, PARAMS, rid), rid))
-            got = _run(engine, ids)
-            assert [got[i] for i in ids] == colocated, f"{policy} / {speculative}: tokens differ from co-located"
-            stats = engine.stats()
-            assert stats["transfers"] == len(prompts) and stats.get("transfers_failed", 0) == 0
-            if tight:
-                engine.kv.poll()
-                assert stats["kv_admissions_waited"] >= 1, "the tight pool should make imports wait"
-                after = engine.stats()
-                assert after["kv_required_bytes"] == 0 and after["kv_optional_bytes"] == 0
-                assert after["kv_host_pages_used"] == 0
-                engine.kv.check_invariants()
-            if policy == "adaptive":
-                assert stats["kv_rows_direct"] > 0
-            assert _wait_released(worker)["regions_held"] == 0
-    finally:
-        worker.close()
+    worker = workers(speculative)
+    for policy in ("dense", "resident", "hisparse", "adaptive"):
+        kwargs = dict(kv_policy=policy, page_rows=8, max_batch_size=4, **spec)
+        tight = policy != "dense"
+        if tight:
+            kwargs["pool_bytes"] = _tight_pool(engine_dir, **kwargs)
+        engine = load_decode_engine(engine_dir, importer, **kwargs)
+        ids = []
+        for n, prompt in enumerate(prompts):  # every context phase first: the prefill side holds the rows
+            rid = f"{policy}-{n}"
+            ids.append(engine.add_imported_request(prompt, PARAMS, worker.prefill(prompt, PARAMS, rid), rid))
+        got = _run(engine, ids)
+        assert [got[i] for i in ids] == colocated, f"{policy} / {speculative}: tokens differ from co-located"
+        stats = engine.stats()
+        assert stats["transfers"] == len(prompts) and stats.get("transfers_failed", 0) == 0
+        if tight:
+            engine.kv.poll()
+            assert stats["kv_admissions_waited"] >= 1, "the tight pool should make imports wait"
+            after = engine.stats()
+            assert after["kv_required_bytes"] == 0 and after["kv_optional_bytes"] == 0
+            assert after["kv_host_pages_used"] == 0
+            engine.kv.check_invariants()
+        if policy == "adaptive":
+            assert stats["kv_rows_direct"] > 0
+        assert _wait_released(worker)["regions_held"] == 0
 
 
-def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, prompts, colocated, importer) -> None:
-    healthy = ContextWorker(engine_dir, agent_name="context-healthy")
+def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, prompts, colocated, importer, workers
+                                                                  ) -> None:
+    healthy = workers(None)
     doomed = ContextWorker(engine_dir, agent_name="context-doomed")
     try:
         engine = load_decode_engine(engine_dir, importer, kv_policy="adaptive", page_rows=8, max_batch_size=4)
@@ -137,5 +153,4 @@ def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, pro
         assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0 and stats["kv_host_pages_used"] == 0
         assert _wait_released(healthy)["regions_held"] == 0
     finally:
-        healthy.close()
         doomed.close()
