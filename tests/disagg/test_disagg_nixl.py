@@ -25,8 +25,8 @@ from dhisparse.disagg.worker import ContextWorker  # noqa: E402
 from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig, DSparkDrafter, save_drafter  # noqa: E402
 from dhisparse_builder import BuildOptions, build_engine  # noqa: E402
 
-LENGTHS = [7, 23, 50, 97]
-NEW_TOKENS = 16
+LENGTHS = [9, 41, 70]
+NEW_TOKENS = 12
 PARAMS = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -61,19 +61,12 @@ def importer():
 
 
 @pytest.fixture(scope="module")
-def workers(engine_dir):
-    """Context processes by speculative setting, started on first use and shared by the tests."""
-    started: dict = {}
-
-    def get(speculative: str | None) -> ContextWorker:
-        if speculative not in started:
-            spec = {"speculative": speculative, "num_draft_tokens": 4} if speculative else {}
-            started[speculative] = ContextWorker(engine_dir, agent_name=f"context-{speculative or 'plain'}", **spec)
-        return started[speculative]
-
-    yield get
-    for worker in started.values():
-        worker.close()
+def worker(engine_dir):
+    """One context process hosting the engine without a drafter ("") and with each drafter ("dflash2", "dspark")."""
+    variants = {kind: {"speculative": kind, "num_draft_tokens": 4} for kind in ("dflash2", "dspark")}
+    started = ContextWorker(engine_dir, agent_name="context-test", variants=variants)
+    yield started
+    started.close()
 
 
 def _tight_pool(engine_dir: Path, **kwargs) -> int:
@@ -100,10 +93,9 @@ def _wait_released(worker: ContextWorker) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("speculative", [None, "dflash2", "dspark"])
-def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, importer, workers, speculative
+def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, importer, worker, speculative
                                                ) -> None:
     spec = {"speculative": speculative, "num_draft_tokens": 4} if speculative else {}
-    worker = workers(speculative)
     for policy in ("dense", "resident", "hisparse", "adaptive"):
         kwargs = dict(kv_policy=policy, page_rows=8, max_batch_size=4, **spec)
         tight = policy != "dense"
@@ -113,7 +105,8 @@ def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, i
         ids = []
         for n, prompt in enumerate(prompts):  # every context phase first: the prefill side holds the rows
             rid = f"{policy}-{n}"
-            ids.append(engine.add_imported_request(prompt, PARAMS, worker.prefill(prompt, PARAMS, rid), rid))
+            context = worker.prefill(prompt, PARAMS, rid, speculative or "")
+            ids.append(engine.add_imported_request(prompt, PARAMS, context, rid))
         got = _run(engine, ids)
         assert [got[i] for i in ids] == colocated, f"{policy} / {speculative}: tokens differ from co-located"
         stats = engine.stats()
@@ -130,14 +123,14 @@ def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, i
         assert _wait_released(worker)["regions_held"] == 0
 
 
-def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, prompts, colocated, importer, workers
+def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, prompts, colocated, importer, worker
                                                                   ) -> None:
-    healthy = workers(None)
+    healthy = worker
     doomed = ContextWorker(engine_dir, agent_name="context-doomed")
     try:
         engine = load_decode_engine(engine_dir, importer, kv_policy="adaptive", page_rows=8, max_batch_size=4)
-        lost = engine.add_imported_request(prompts[3], PARAMS, doomed.prefill(prompts[3], PARAMS, "lost"), "lost")
-        kept = engine.add_imported_request(prompts[2], PARAMS, healthy.prefill(prompts[2], PARAMS, "kept"), "kept")
+        lost = engine.add_imported_request(prompts[2], PARAMS, doomed.prefill(prompts[2], PARAMS, "lost"), "lost")
+        kept = engine.add_imported_request(prompts[1], PARAMS, healthy.prefill(prompts[1], PARAMS, "kept"), "kept")
         doomed.kill()  # its registered region dies with it, before the decode side pulls
         updates = []
         while engine.has_unfinished():
@@ -146,7 +139,7 @@ def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, pro
         failed = [u for u in updates if u.request_id == lost]
         assert failed and failed[-1].finished and failed[-1].finish_reason == "error"
         assert "context-doomed" in engine.errors[lost]
-        assert engine.requests[kept].output_token_ids == colocated[2]
+        assert engine.requests[kept].output_token_ids == colocated[1]
         engine.kv.poll()
         stats = engine.stats()
         assert stats["transfers_failed"] == 1

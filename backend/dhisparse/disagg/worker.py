@@ -4,9 +4,11 @@ The pipe carries only control messages (prompt in, :class:`ContextPhaseParams` b
 itself moves over NIXL when the decode side READs it. The Triton deployment uses the same split with
 Triton as the control channel (``context`` model); this worker serves tests and local tools.
 
-Messages (parent → child): ``("prefill", request_id, prompt, sampling_kwargs)`` → ``("ok", params_bytes)`` or
-``("error", message)``; ``("stats",)`` → ``("ok", dict)``; ``("close",)``. Between messages the child polls
-its exporter, so regions are released as soon as the decode side's notification arrives.
+Messages (parent → child): ``("prefill", variant, request_id, prompt, sampling_kwargs)`` → ``("ok", params_bytes)``
+or ``("error", message)``; ``("stats",)`` → ``("ok", dict)``; ``("close",)``. A worker may host several *variants*
+of the engine (runtime overrides, e.g. with and without a drafter), all publishing through its one NIXL agent.
+Between messages the child polls its exporter, so regions are released as soon as the decode side's notification
+arrives.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dhisparse.disagg.params import ContextPhaseParams
 from dhisparse.engine.sampling import SamplingParams
 
 
-def _serve(engine_dir: str, overrides: dict[str, Any], agent_name: str, hold_timeout_s: float,
+def _serve(engine_dir: str, variants: dict[str, dict[str, Any]], agent_name: str, hold_timeout_s: float,
            conn: Connection) -> None:
     import torch
 
@@ -30,40 +32,46 @@ def _serve(engine_dir: str, overrides: dict[str, Any], agent_name: str, hold_tim
     from dhisparse.disagg.prefill import PrefillEngine, PrefillService
 
     torch.set_num_threads(1)
-    service = PrefillService(PrefillEngine(engine_dir, **overrides), NixlExporter(agent_name, hold_timeout_s))
+    exporter = NixlExporter(agent_name, hold_timeout_s)
+    services = {name: PrefillService(PrefillEngine(engine_dir, **overrides), exporter)
+                for name, overrides in variants.items()}
     conn.send(("ready", agent_name))
     try:
         while True:
-            service.poll()
+            exporter.poll()
             if not conn.poll(0.005):
                 continue
             message = conn.recv()
             if message[0] == "close":
                 break
             if message[0] == "stats":
-                conn.send(("ok", service.stats()))
+                stats = {k: v for service in services.values() for k, v in service.stats().items()}
+                conn.send(("ok", stats))
                 continue
-            _, request_id, prompt, sampling = message
+            _, variant, request_id, prompt, sampling = message
             try:
-                params = service.run(prompt, SamplingParams(**sampling), request_id, arrival=time.perf_counter())
+                params = services[variant].run(prompt, SamplingParams(**sampling), request_id,
+                                               arrival=time.perf_counter())
                 conn.send(("ok", params.to_bytes()))
             except Exception as error:
                 conn.send(("error", f"{type(error).__name__}: {error}"))
     except (EOFError, KeyboardInterrupt):
         pass
     finally:
-        service.close()
+        exporter.close()
 
 
 class ContextWorker:
     """Parent-side handle of one context process (``spawn``: no state is inherited from the parent)."""
 
     def __init__(self, engine_dir: str | Path, agent_name: str = "context-0", hold_timeout_s: float = 60.0,
-                 start_timeout_s: float = 120.0, **overrides: Any) -> None:
+                 start_timeout_s: float = 120.0, variants: dict[str, dict[str, Any]] | None = None,
+                 **overrides: Any) -> None:
+        """``overrides`` configure the default variant ``""``; ``variants`` adds named ones."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(str(engine_dir), overrides, agent_name, hold_timeout_s, child),
-                                   name=f"dhisparse-{agent_name}", daemon=True)
+        args = (str(engine_dir), {"": overrides, **(variants or {})}, agent_name, hold_timeout_s, child)
+        self.process = ctx.Process(target=_serve, args=args, name=f"dhisparse-{agent_name}", daemon=True)
         self.process.start()
         child.close()
         if not self._conn.poll(start_timeout_s):
@@ -72,10 +80,11 @@ class ContextWorker:
         self._conn.recv()
         self.agent_name = agent_name
 
-    def prefill(self, prompt: list[int], params: SamplingParams, request_id: str) -> ContextPhaseParams:
+    def prefill(self, prompt: list[int], params: SamplingParams, request_id: str, variant: str = ""
+                ) -> ContextPhaseParams:
         sampling = asdict(params)
         sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
-        self._conn.send(("prefill", request_id, [int(t) for t in prompt], sampling))
+        self._conn.send(("prefill", variant, request_id, [int(t) for t in prompt], sampling))
         status, payload = self._conn.recv()
         if status != "ok":
             raise RuntimeError(f"context phase of {request_id!r} failed: {payload}")
