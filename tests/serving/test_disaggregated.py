@@ -74,6 +74,7 @@ def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected)
     metrics = disaggregated.client().metrics()
     assert metrics["transfers"] >= len(PROMPTS) + 1 and metrics["transfer_bytes"] > 0
     assert metrics.get("transfers_failed", 0.0) == 0.0
+    assert metrics["context_prefill_seconds"] > 0 and metrics["transfer_seconds"] > 0  # the TTFT split
 
 
 def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expected):

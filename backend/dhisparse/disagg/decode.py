@@ -118,6 +118,9 @@ class DecodeEngine(LLMEngine):
             req.num_computed = req.prompt_len
             req.counters["disagg_queue_s"] = context.queue_s
             req.counters["disagg_prefill_s"] = context.prefill_s
+            # TTFT split, summed over imported requests (/metrics: divide by `transfers` for means)
+            self.counters["context_queue_seconds"] += context.queue_s
+            self.counters["context_prefill_seconds"] += context.prefill_s
             self.running.append(req)
             self._append_tokens(req, [context.first_token], updates)
 
