@@ -95,3 +95,14 @@ def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expect
         inputs.append(tensor)
     with pytest.raises(GenerationError, match="context_phase_params"):
         list(disaggregated.client().stream_inputs("generation", inputs, "output_ids"))
+
+
+def test_multi_token_stop_sequence_ends_the_generation_phase(disaggregated, expected):
+    ids, tokens, _ = expected
+    want = tokens[0]
+    end = next(i for i in range(3, len(want)) if all(want[j:j + 2] != want[i - 1:i + 1] for j in range(i - 1)))
+    stop = want[end - 1 : end + 1]  # a 2-token sequence whose first occurrence ends at position `end`
+    values = {"input_ids": ids[0], "input_lengths": len(ids[0]), "request_output_len": MAX_TOKENS,
+              "streaming": True, "stop_words_list": [stop, [2, -1]]}
+    chunks = list(disaggregated.client().stream_raw("disaggregated_serving_bls", values, "output_ids"))
+    assert [int(t) for c in chunks for t in c.reshape(-1)] == want[: end + 1]  # the stop sequence is kept

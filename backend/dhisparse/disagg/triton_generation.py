@@ -19,6 +19,7 @@ from dhisparse.disagg.decode import DecodeEngine
 from dhisparse.disagg.params import ContextPhaseParams
 from dhisparse.serving.engine_metrics import EngineMetrics
 from dhisparse.serving.llm_request import LLMRequest, output_arrays
+from dhisparse.serving.stop_sequences import StopSequenceMatcher
 from dhisparse.serving.triton_tensors import error_response, response
 
 _END = object()
@@ -49,10 +50,10 @@ class GenerationService:
         updates: queue.Queue = queue.Queue()
         with self._lock:
             self._queues[request_id] = updates
-        self._inbox.put((request_id, prompt, request.params, context))
+        self._inbox.put(("add", request_id, prompt, request.params, context))
         self._wake.set()
-        threading.Thread(target=self._respond, args=(request, updates, sender), name=f"respond-{request_id}",
-                         daemon=True).start()
+        threading.Thread(target=self._respond, args=(request_id, request, updates, sender),
+                         name=f"respond-{request_id}", daemon=True).start()
         return request_id
 
     # ------------------------------------------------------------------------------------ engine thread
@@ -61,9 +62,15 @@ class GenerationService:
         while not self._stop.is_set():
             while True:
                 try:
-                    request_id, prompt, params, context = self._inbox.get_nowait()
+                    message = self._inbox.get_nowait()
                 except queue.Empty:
                     break
+                if message[0] == "cancel":  # a stop sequence ended the request early
+                    if self.engine.abort_request(message[1]):
+                        self.engine.requests.pop(message[1], None)
+                    self._deliver(message[1], _END)
+                    continue
+                _, request_id, prompt, params, context = message
                 try:
                     self.engine.add_imported_request(prompt, params, context, request_id)
                 except Exception as error:
@@ -97,8 +104,9 @@ class GenerationService:
             updates.put(item)
 
     # ---------------------------------------------------------------------------------------- responders
-    def _respond(self, request: LLMRequest, updates: queue.Queue, sender: Any) -> None:
+    def _respond(self, request_id: str, request: LLMRequest, updates: queue.Queue, sender: Any) -> None:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        matcher = StopSequenceMatcher(request.stop_sequences)
         collected: list[int] = []
         while True:
             item = updates.get()
@@ -109,19 +117,27 @@ class GenerationService:
             if isinstance(item, BaseException):
                 sender.send(error_response(self._pb, RuntimeError(f"request failed: {item}")), flags=final)
                 return
-            tokens = list(item.new_token_ids)
+            if item.finished and item.finish_reason == "error":
+                continue  # the error follows
+            tokens, finished = list(item.new_token_ids), item.finished
+            keep = matcher.feed(tokens)
+            if keep is not None:  # a multi-token stop sequence ended here: stop the engine request too
+                tokens, finished = tokens[:keep], True
+                if not item.finished:
+                    self._inbox.put(("cancel", request_id))
+                    self._wake.set()
             collected.extend(tokens)
-            if request.streaming:
-                if item.finished:
-                    if item.finish_reason == "error":
-                        continue  # the error follows
+            if finished:
+                if request.streaming:
                     if tokens:
                         sender.send(response(self._pb, output_arrays(tokens)), flags=final)
                     else:
                         sender.send(flags=final)
-                    return
-                if tokens:
-                    sender.send(response(self._pb, output_arrays(tokens)))
+                else:
+                    sender.send(response(self._pb, output_arrays(collected)), flags=final)
+                return
+            if request.streaming and tokens:
+                sender.send(response(self._pb, output_arrays(tokens)))
 
     def stats(self) -> dict[str, float]:
         with self._lock:
