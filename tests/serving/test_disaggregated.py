@@ -106,3 +106,28 @@ def test_multi_token_stop_sequence_ends_the_generation_phase(disaggregated, expe
               "streaming": True, "stop_words_list": [stop, [2, -1]]}
     chunks = list(disaggregated.client().stream_raw("disaggregated_serving_bls", values, "output_ids"))
     assert [int(t) for c in chunks for t in c.reshape(-1)] == want[: end + 1]  # the stop sequence is kept
+
+
+def test_cancelled_orchestrator_stream_frees_the_generation_side(disaggregated, prompt_runs_long):
+    import time
+
+    from conftest import LONG
+    from idle import IDLE, settle, wait_idle
+
+    client = disaggregated.client()
+    settle(client)
+    before = client.metrics()
+    stream = client.stream_token_ids(prompt_runs_long, GenerationOptions(max_tokens=LONG),
+                                     model="disaggregated_serving_bls")
+    for _ in range(3):
+        next(stream)
+    deadline = time.monotonic() + 20
+    while client.metrics().get("kv_requests_running", 0.0) < 1.0:  # the generation side really holds memory
+        assert time.monotonic() < deadline, "the generation request never ran"
+        time.sleep(0.05)
+    stream.close()  # cancels the orchestrator's request; it forwards the cancellation to `generation`
+    assert wait_idle(client) == IDLE
+    after = client.metrics()
+    assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
+    assert after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0) == 1.0
+    assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG

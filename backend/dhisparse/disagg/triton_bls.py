@@ -10,7 +10,10 @@ of the LLM model. Per request, on its own thread:
 3. call `generation` (decoupled) with the same inputs, ``request_type = generation_only`` and that tensor, and
    forward its tokens; its first update repeats the first token, which is dropped when it was already sent.
 
-Errors of either phase reach the client as an error response.
+Errors of either phase reach the client as an error response. A client that cancels (or disconnects) is noticed
+between responses: before the generation phase nothing more is called (the prefill side frees the region at its
+hold deadline); during it a control request (``cancel_request_id``) aborts the generation request, which frees its
+KV memory.
 """
 
 from __future__ import annotations
@@ -45,6 +48,16 @@ class DisaggregatedBLS:
         return self._pb.InferenceRequest(model_name=model, inputs=tensors, request_id=request_id,
                                          requested_output_names=outputs)
 
+    def _cancel(self, target: str) -> None:
+        # Its own request id: a control request sharing the target's id stalls the target's stream.
+        control = self._request(self._generation, {"cancel_request_id": np.array([[target.encode()]], dtype=object)},
+                                f"{target}-cancel", ["output_ids", "sequence_length"])
+        for _ in control.exec(decoupled=True):
+            pass
+
+    def _cancelled_error(self) -> Any:
+        return self._pb.TritonError("request cancelled by the client", self._pb.TritonError.CANCELLED)
+
     def _run(self, inputs: dict[str, np.ndarray], sender: Any) -> None:
         pb, final = self._pb, self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         request_id = f"disagg-{self._prefix}-{next(self._ids)}"
@@ -59,14 +72,22 @@ class DisaggregatedBLS:
                 return
             first = int(pb.get_output_tensor_by_name(answer, "output_ids").as_numpy().reshape(-1)[0])
             params = pb.get_output_tensor_by_name(answer, "context_phase_params").as_numpy()
+            if sender.is_cancelled():
+                sender.send(error_response(pb, self._cancelled_error()), flags=final)
+                return
             if streaming:
                 sender.send(response(pb, output_arrays([first])))
             generation_inputs = {**inputs, "request_type": np.array([[b"generation_only"]], dtype=object),
                                  "context_phase_params": params.reshape(1, -1)}
             tokens: list[int] = []
-            skip_first = True
+            skip_first, cancelled = True, False
             for inner in self._request(self._generation, generation_inputs, f"{request_id}-gen",
                                        ["output_ids", "sequence_length"]).exec(decoupled=True):
+                if not cancelled and sender.is_cancelled():
+                    cancelled = True
+                    self._cancel(f"{request_id}-gen")
+                if cancelled:
+                    continue  # drain what the generation model still sends
                 if inner.has_error():
                     sender.send(error_response(pb, RuntimeError(f"generation phase: {inner.error().message()}")),
                                 flags=final)
@@ -83,7 +104,9 @@ class DisaggregatedBLS:
                 tokens.extend(chunk)
                 if streaming and chunk:
                     sender.send(response(pb, output_arrays(chunk)))
-            if streaming:
+            if cancelled:
+                sender.send(error_response(pb, self._cancelled_error()), flags=final)
+            elif streaming:
                 sender.send(flags=final)
             else:
                 sender.send(response(pb, output_arrays(tokens)), flags=final)

@@ -5,6 +5,13 @@ The engine thread is the only one that touches the engine and the custom metrics
 metrics were updated from several threads); responders turn each request's updates into Triton responses (one
 per update when streaming, one at the end otherwise; the first token, which the context phase produced, is
 part of the first update). A transfer that failed ends the request with an error response naming the cause.
+
+Cancellation: every ``interval_s`` the engine thread polls each open request's ``is_cancelled()`` (a client that
+cancelled or disconnected) and aborts it in the engine, which frees its KV memory (and, for a request still waiting
+for admission, tells the prefill side to release its region); a control request with ``cancel_request_id`` (sent by
+`disaggregated_serving_bls` when its own client cancels) does the same. ``is_cancelled()`` and final responses are
+serialised by one lock: tritonserver 2.51 crashes when ``is_cancelled()`` runs on a sender whose final response
+has gone.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from dhisparse.serving.stop_sequences import StopSequenceMatcher
 from dhisparse.serving.triton_tensors import error_response, response
 
 _END = object()
+_CANCELLED = object()
 
 
 class GenerationService:
@@ -37,12 +45,16 @@ class GenerationService:
         self._queues: dict[str, queue.Queue] = {}
         self._lock = threading.Lock()
         self._stats: dict[str, float] = {}
+        self._open: dict[str, Any] = {}  # request id -> sender, until its final response is sent
+        self._by_client: dict[str, str] = {}  # Triton request id of the caller -> request id
+        self._final_lock = threading.Lock()
+        self._cancelled_total = 0
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dhisparse-generation", daemon=True)
         self._thread.start()
 
-    def start(self, request: LLMRequest, context: ContextPhaseParams, sender: Any) -> str:
+    def start(self, request: LLMRequest, context: ContextPhaseParams, sender: Any, client_id: str = "") -> str:
         """Validate and queue `request`; raises InvalidRequestError (nothing queued) when the engine refuses it."""
         prompt = request.prompt_token_ids
         self.engine.validate(prompt, request.params)
@@ -50,6 +62,9 @@ class GenerationService:
         updates: queue.Queue = queue.Queue()
         with self._lock:
             self._queues[request_id] = updates
+            self._open[request_id] = sender
+            if client_id:
+                self._by_client[client_id] = request_id
         self._inbox.put(("add", request_id, prompt, request.params, context))
         self._wake.set()
         threading.Thread(target=self._respond, args=(request_id, request, updates, sender),
@@ -65,7 +80,7 @@ class GenerationService:
                     message = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if message[0] == "cancel":  # a stop sequence ended the request early
+                if message[0] == "abort":  # cancelled, or a stop sequence ended the request early
                     if self.engine.abort_request(message[1]):
                         self.engine.requests.pop(message[1], None)
                     self._deliver(message[1], _END)
@@ -89,11 +104,54 @@ class GenerationService:
             now = time.monotonic()
             if now - last_metrics >= self._interval_s:
                 last_metrics = now
+                self._poll_cancelled()
                 stats = self.engine.stats()
                 with self._lock:
                     self._stats = stats
                 if self._metrics is not None:
-                    self._metrics.update(stats)
+                    self._metrics.update(self.stats())
+
+    def _poll_cancelled(self) -> None:
+        with self._final_lock:  # no final response is sent while is_cancelled() runs
+            with self._lock:
+                open_requests = list(self._open.items())
+            cancelled = [rid for rid, sender in open_requests if sender.is_cancelled()]
+        for request_id in cancelled:
+            self._cancel(request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        with self._lock:
+            if self._open.pop(request_id, None) is None:
+                return
+            self._cancelled_total += 1
+            updates = self._queues.pop(request_id, None)
+        if updates is not None:
+            updates.put(_CANCELLED)
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def cancel_client(self, client_id: str) -> bool:
+        """Cancel the open request started with Triton request id ``client_id``; False when there is none."""
+        with self._lock:
+            request_id = self._by_client.pop(client_id, None)
+        if request_id is None:
+            return False
+        self._cancel(request_id)
+        return True
+
+    def _final(self, request_id: str, sender: Any, arrays: dict | BaseException | None) -> None:
+        flags = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        with self._final_lock:
+            with self._lock:
+                self._open.pop(request_id, None)
+                for client in [c for c, r in self._by_client.items() if r == request_id]:
+                    del self._by_client[client]
+            if arrays is None:
+                sender.send(flags=flags)
+            elif isinstance(arrays, BaseException):
+                sender.send(error_response(self._pb, arrays), flags=flags)
+            else:
+                sender.send(response(self._pb, arrays), flags=flags)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:
@@ -105,17 +163,19 @@ class GenerationService:
 
     # ---------------------------------------------------------------------------------------- responders
     def _respond(self, request_id: str, request: LLMRequest, updates: queue.Queue, sender: Any) -> None:
-        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         matcher = StopSequenceMatcher(request.stop_sequences)
         collected: list[int] = []
         while True:
             item = updates.get()
+            if item is _CANCELLED:
+                # Flags only: an error-carrying final response after streamed ones stalls a BLS caller (2.51).
+                self._final(request_id, sender, None if request.streaming else RuntimeError("request cancelled"))
+                return
             if item is _END:
-                if not request.streaming:
-                    sender.send(response(self._pb, output_arrays(collected)), flags=final)
+                self._final(request_id, sender, None if request.streaming else output_arrays(collected))
                 return
             if isinstance(item, BaseException):
-                sender.send(error_response(self._pb, RuntimeError(f"request failed: {item}")), flags=final)
+                self._final(request_id, sender, RuntimeError(f"request failed: {item}"))
                 return
             if item.finished and item.finish_reason == "error":
                 continue  # the error follows
@@ -124,24 +184,25 @@ class GenerationService:
             if keep is not None:  # a multi-token stop sequence ended here: stop the engine request too
                 tokens, finished = tokens[:keep], True
                 if not item.finished:
-                    self._inbox.put(("cancel", request_id))
+                    self._inbox.put(("abort", request_id))
                     self._wake.set()
             collected.extend(tokens)
             if finished:
                 if request.streaming:
-                    if tokens:
-                        sender.send(response(self._pb, output_arrays(tokens)), flags=final)
-                    else:
-                        sender.send(flags=final)
+                    self._final(request_id, sender, output_arrays(tokens) if tokens else None)
                 else:
-                    sender.send(response(self._pb, output_arrays(collected)), flags=final)
+                    self._final(request_id, sender, output_arrays(collected))
                 return
             if request.streaming and tokens:
-                sender.send(response(self._pb, output_arrays(tokens)))
+                with self._lock:
+                    still_open = request_id in self._open
+                if still_open:
+                    sender.send(response(self._pb, output_arrays(tokens)))
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._stats)
+            return {**self._stats, "serving_active_requests": float(len(self._open)),
+                    "serving_cancelled_requests": float(self._cancelled_total)}
 
     def close(self) -> None:
         self._stop.set()

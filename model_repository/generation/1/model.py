@@ -27,7 +27,7 @@ class TritonPythonModel:
 
         self.requests, self.tensors, self.params = llm_request, triton_tensors, ContextPhaseParams
         self.request_type, self.generation_only = request_type, GENERATION_ONLY
-        self.names = (*llm_request.LLM_INPUTS, "request_type", "context_phase_params")
+        self.names = (*llm_request.LLM_INPUTS, "request_type", "context_phase_params")  # LLM_INPUTS: + cancel
         overrides = {key.removeprefix("engine."): repository.parse_override(value)
                      for key, value in parameters.items() if key.startswith("engine.")}
         importer = NixlImporter(parameters.get("nixl.agent_name", "dhisparse-generation-0"),
@@ -42,6 +42,11 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.names)
+                target = self.requests.cancel_target(inputs)
+                if target is not None:  # control request from disaggregated_serving_bls
+                    self.service.cancel_client(target)
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 kind = self.request_type(inputs, self.generation_only)
                 if kind != self.generation_only:
                     raise ValueError(f"request_type must be {self.generation_only!r} for the generation model, "
@@ -49,7 +54,7 @@ class TritonPythonModel:
                 if "context_phase_params" not in inputs:
                     raise ValueError("context_phase_params is missing: send the context phase's output")
                 context = self.params.from_bytes(inputs["context_phase_params"])
-                self.service.start(self.requests.parse_llm_request(inputs), context, sender)
+                self.service.start(self.requests.parse_llm_request(inputs), context, sender, request.request_id())
             except ValueError as error:  # InvalidRequestError, malformed context_phase_params
                 sender.send(self.tensors.error_response(pb_utils, error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
