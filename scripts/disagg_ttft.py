@@ -30,18 +30,19 @@ def main() -> None:
     p.add_argument("--prefill-gpus", type=int, default=8)
     p.add_argument("--link-gbps", type=float, default=400.0, help="link bandwidth, Gb/s")
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--modes", nargs="+", default=["co-located", "disaggregated"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     link = DisaggregationSpec(args.prefill_gpus, args.link_gbps * 1e9 / 8)
     lines = ["| input | config | mode | mean TTFT (s) | prefill queue (s) | prefill (s) | transfer (s) | "
-             "out tok/s per decode GPU | mean TPOT (ms) |", "|---" * 9 + "|"]
+             "decode admission wait (s) | out tok/s per decode GPU | mean TPOT (ms) |", "|---" * 10 + "|"]
     for tokens in args.input_tokens:
         for label in args.configs:
             base = parse_config(label, BASE, SPEC, GLM5_INDEXSHARE_NVFP4.index_topk)
             serving = dataclasses.replace(base, locality=dataclasses.replace(base.locality, overlap=args.overlap))
             workload = WorkloadSpec(tokens, 8192, concurrency=args.concurrency,
                                     num_requests=args.concurrency * args.requests_per_client, seed=0)
-            for mode in ("co-located", "disaggregated"):
+            for mode in args.modes:
                 started = time.perf_counter()
                 if mode == "co-located":
                     result = simulate(H200, GLM5_INDEXSHARE_NVFP4, serving, workload, SCALE)
@@ -50,7 +51,8 @@ def main() -> None:
                                                     disaggregation=link).run()
                 s = result.summary()
                 per_gpu = s["output_tok_per_s"] / GLM5_INDEXSHARE_NVFP4.gpus
-                split = [s.get(k, float("nan")) for k in ("mean_prefill_queue_s", "mean_prefill_s", "mean_transfer_s")]
+                split = [s.get(k, float("nan")) for k in ("mean_prefill_queue_s", "mean_prefill_s", "mean_transfer_s",
+                                                          "mean_decode_admission_wait_s")]
                 row = (f"| {tokens // 1024}K | {label} | {mode} | {s['mean_ttft_s']:.2f} | "
                        + " | ".join("–" if mode == "co-located" else f"{v:.3f}" for v in split)
                        + f" | {per_gpu:.0f} | {1e3 * s['mean_tpot_s']:.1f} |")

@@ -33,6 +33,8 @@ def test_ttft_is_queue_plus_prefill_plus_transfer_and_beats_colocated() -> None:
     assert summary["requests_done"] == colocated["requests_done"] == float(len(result.requests))
     assert summary["mean_ttft_s"] < colocated["mean_ttft_s"]
     assert summary["mean_transfer_s"] == pytest.approx(transfer_s)
+    waits = [r.admitted_s - r.first_token_s for r in result.requests]
+    assert summary["mean_decode_admission_wait_s"] == pytest.approx(sum(waits) / len(waits))
 
 
 def test_bad_disaggregation_specs_are_refused() -> None:

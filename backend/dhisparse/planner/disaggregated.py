@@ -92,5 +92,10 @@ class DisaggregatedSimulator(Simulator):
         done = [r for r in self.requests if getattr(r, "ttft_split", None) is not None]
         for i, name in enumerate(("mean_prefill_queue_s", "mean_prefill_s", "mean_transfer_s")):
             result.extra[name] = sum(r.ttft_split[i] for r in done) / len(done) if done else 0.0
+        admitted = [r for r in done if r.admitted_s is not None and r.first_token_s is not None]
+        # How long histories wait at the decode GPU for admission (the decode policy's share of the latency the
+        # client sees before its second token; TTFT itself does not depend on the decode policy here).
+        result.extra["mean_decode_admission_wait_s"] = (
+            sum(r.admitted_s - r.first_token_s for r in admitted) / len(admitted) if admitted else 0.0)
         result.extra["prefill_gpus"] = float(self.disagg.prefill_gpus)
         return result
