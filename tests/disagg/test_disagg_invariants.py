@@ -76,7 +76,7 @@ def test_invariants_hold_over_imports_cancellations_and_failures(sides, ops) -> 
     stats = engine.stats()
     assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0 and stats["kv_host_pages_used"] == 0
     engine.kv.check_invariants()
-    for _ in range(400):  # notifications of completed READs (and of cancelled waits) release the regions
+    for _ in range(2000):  # notifications of completed READs (and of cancelled waits) release the regions
         service.poll()
         if not service.exporter.held_keys:
             break

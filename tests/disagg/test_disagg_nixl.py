@@ -84,7 +84,7 @@ def _run(engine: DecodeEngine, ids: list[str]) -> dict[str, list[int]]:
 
 
 def _wait_released(worker: ContextWorker) -> dict[str, float]:
-    for _ in range(400):  # the worker frees a region when the READ's notification arrives
+    for _ in range(1000):  # the worker frees a region when the READ's notification arrives
         stats = worker.stats()
         if stats["regions_held"] == 0:
             return stats
