@@ -108,7 +108,7 @@ class DecodeEngine(LLMEngine):
             context = self.imports.pop(req.request_id)
             try:
                 features = self._pull(req, context)
-            except TransferError as error:
+            except (TransferError, ValueError) as error:  # ValueError: params that do not fit this engine's layout
                 self._fail_import(req, str(error), updates)
                 continue
             req.status = Status.RUNNING
