@@ -22,7 +22,7 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 log "installing torch 2.13.0 (CPU) and the project"
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test,serve,bench]"
+python -m pip install -q "torch==2.13.0" -e ".[test,serve,bench,disagg]"  # torch pinned with nixl (disagg)
 
 if [[ "${SKIP_NATIVE:-0}" != 1 ]]; then
   log "native build"

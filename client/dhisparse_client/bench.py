@@ -33,6 +33,8 @@ from dhisparse_client.perf import PerfAnalyzerError, find_perf_analyzer, run_lev
 from dhisparse_client.prompts import cut_prompts, engine_limits, shakespeare_text
 from dhisparse_client.serve_process import ServeError, ServeProcess
 
+DISAGG_SUFFIX = "+disagg"
+
 
 def _int_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
@@ -45,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dhisparse-bench", description=__doc__.splitlines()[0])
     p.add_argument("--engine", required=True, type=Path, help="engine directory built by dhisparse-build")
     p.add_argument("--policies", default="adaptive,hisparse,resident",
-                   help="KV policies to compare, comma-separated (resident, hisparse, adaptive, dense)")
+                   help="KV policies to compare, comma-separated (resident, hisparse, adaptive, dense); a "
+                        f"'{DISAGG_SUFFIX}' suffix (e.g. adaptive{DISAGG_SUFFIX}) serves that policy disaggregated "
+                        "(dhisparse-serve --disaggregated: context and generation engines joined by NIXL)")
     p.add_argument("--baseline", default="hisparse", help="policy the ratios are computed against")
     p.add_argument("--pool-bytes", type=int, default=None, help="device KV pool budget for every policy")
     p.add_argument("--concurrency", type=_int_list, default=[1, 4, 8], help="levels, e.g. 1,4,8")
@@ -75,7 +79,7 @@ def _engine_options(args: argparse.Namespace, policy: str) -> dict[str, object]:
         if not sep or not key:
             raise ValueError(f"--engine-option expects KEY=VALUE, got {item!r}")
         options[key] = value
-    options["kv_policy"] = policy
+    options["kv_policy"] = policy.removesuffix(DISAGG_SUFFIX)
     if args.pool_bytes is not None:
         options["pool_bytes"] = args.pool_bytes
     return options
@@ -113,7 +117,8 @@ def start_server(args: argparse.Namespace, policy: str, warm_prompt: str) -> Pol
     """Start and warm up `dhisparse-serve` for `policy`; None (logged) when it does not come up."""
     out = args.output_dir / policy
     out.mkdir(parents=True, exist_ok=True)
-    server = ServeProcess(args.engine, _engine_options(args, policy), log_path=out / "server.log")
+    extra = ("--disaggregated",) if policy.endswith(DISAGG_SUFFIX) else ()
+    server = ServeProcess(args.engine, _engine_options(args, policy), log_path=out / "server.log", extra_args=extra)
     started = time.monotonic()
     try:
         endpoints = server.start()

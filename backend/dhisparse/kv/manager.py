@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.kv import history_import as history_host
 from dhisparse.kv import residency
 from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
 from dhisparse.kv.copies import CopyEngine, CopyError, CopyTicket, ReaderFence
@@ -211,6 +212,26 @@ class KVManager:
             req.index_keys[layer][: req.prompt_len] = keys.to(self.device, self.layout.dtype)
         rows = rows.to(dtype=self.layout.dtype)
         residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
+        req.imported = True
+        self.check_budget()
+
+    def history_host_rows(self, request_id: str) -> torch.Tensor | None:
+        """Where an external transfer (disaggregated prefill) must write the admitted request's prompt rows:
+        host-store row indices ``[num_sources, prompt_len]`` into :attr:`host` ``.rows``, or ``None`` when the
+        policy keeps no host store (``resident``: hand the rows to :meth:`import_prompt` instead). The host
+        store may grow (replacing ``host.rows``) at the next admission, so write before admitting again."""
+        req = self._running(request_id)
+        return history_host.history_host_rows(req, self.host) if self.config.uses_host else None
+
+    def import_host_history(self, request_id: str, index_keys: dict[int, torch.Tensor]) -> None:
+        """Import a prompt whose rows were written into :meth:`history_host_rows` (imported history): host
+        pages become valid, the partial page goes to the tail and, adaptive, complete pages stay on device as
+        optional pages while the budget allows (``kv/history_import.py``)."""
+        req = self._running(request_id)
+        if req.imported:
+            raise ValueError(f"request {request_id!r} was already imported")
+        history_host.set_index_keys(req, index_keys, self.indexer_layers, self.layout.index_key_dim)
+        history_host.import_host_rows(req, self.config.policy, self.pool, self.host)
         req.imported = True
         self.check_budget()
 

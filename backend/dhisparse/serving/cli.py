@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exclude-input-in-output", choices=("true", "false"), default="true",
                    help="default for requests that do not send exclude_input_in_output (tensorrtllm_backend's "
                         "parameter of that name): false = non-streaming outputs start with the prompt")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="prefill/decode disaggregation: `context` and `generation` engine processes joined by NIXL, "
+                        "orchestrated by `disaggregated_serving_bls` (see docs/disaggregated.md)")
     g = p.add_argument_group("engine runtime options (override the engine's runtime.json)")
     for name, kind, help_text in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
@@ -93,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dhisparse-serve-") as work:
         model_repo = args.model_repo or Path(work) / "model_repository"
         model_repo.mkdir(parents=True, exist_ok=True)
-        models = fill_model_repository(spec, model_repo, args.templates)
+        if args.disaggregated:
+            from dhisparse.disagg.repository import fill_disaggregated_repository
+
+            models = fill_disaggregated_repository(spec, model_repo, args.templates)
+        else:
+            models = fill_model_repository(spec, model_repo, args.templates)
         backend_dir = prepare_backend_dir(install, Path(work) / "backends")
         http, grpc, metrics = _ports(args, args.address)
         config = ServerConfig(model_repo, backend_dir, http, grpc, metrics, args.address, args.log_verbose)
@@ -108,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"dhisparse-serve: ready models={','.join(models)} http={config.http_url} grpc={config.grpc_url} "
               f"metrics={config.metrics_url} pid={server.pid}", flush=True)
+        # The disaggregated deployment's engines (`context`, `generation`) do not unload themselves (yet).
+        watched = LLM_MODEL in models
         while not stop.wait(0.5):
             if server.poll() is not None:  # died on its own
                 code = server.stop()
                 print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)
                 return 1
-            if not server.model_ready(LLM_MODEL) and not stop.is_set() and server.poll() is None:
+            if watched and not server.model_ready(LLM_MODEL) and not stop.is_set() and server.poll() is None:
                 # The engine stopped after a fault it could not recover from: its clients have their errors and
                 # the model unloaded itself. Stop the server so that its health endpoint stops answering ready
                 # too (Triton 2.51 counts only loaded models), and exit non-zero for the supervisor to restart us.

@@ -268,3 +268,12 @@ def cancel_target(inputs: Mapping[str, np.ndarray]) -> str | None:
 def stop_requested(inputs: Mapping[str, np.ndarray]) -> bool:
     """Whether this is a `stop = true` request (TensorRT-LLM: stop the open request with the same request id)."""
     return "stop" in inputs and bool(np.asarray(inputs["stop"]).reshape(-1).any())
+
+
+def output_arrays(token_ids: list[int]) -> dict[str, np.ndarray]:
+    """`output_ids` [1, 1, T] int32 and `sequence_length` [1, 1] int32 for `token_ids` (the two outputs every
+    response carries; the disaggregated models send only these)."""
+    return {
+        "output_ids": np.asarray(token_ids, dtype=np.int32).reshape(1, 1, -1),
+        "sequence_length": np.asarray([[len(token_ids)]], dtype=np.int32),
+    }

@@ -1,0 +1,180 @@
+"""The generation (decode) role: an ``LLMEngine`` whose requests arrive with imported history.
+
+``add_imported_request`` queues a request together with the :class:`ContextPhaseParams` of its context
+phase. Admission is the co-located one: ``kv.try_admit`` reserves the required memory (an admission that
+cannot be covered waits, reclaiming optional pages of running requests first, exactly as today) and only
+then is the history pulled: one NIXL READ brings the prompt's rows straight into the host-store pages the
+admission reserved (``KVManager.history_host_rows``) and the indexer keys and drafter features into a
+registered scratch buffer; ``KVManager.import_host_history`` then makes the host pages valid and,
+resident-first, keeps complete pages on device as optional pages while the pool has room. Policies
+without a host store (``resident``, ``dense``) READ everything into the scratch buffer and use
+``import_prompt``. The first token comes from the context phase; decoding (with or without speculation)
+is the unchanged engine step.
+
+Why READ (pull) rather than WRITE (push): the decode side knows when it has memory (admission) and where
+the rows must land (host pages chosen at admission), so it pulls exactly then; the prefill side only
+publishes and holds its region until the READ's completion notification arrives (or a hold deadline
+passes), the scheme vLLM's NIXL connector uses. A push would need the decode side to reserve and
+advertise memory before it could admit, i.e. to admit early.
+
+A transfer that fails or times out ends that request with an error (finish reason ``"error"``, the message
+in :attr:`DecodeEngine.errors`) and frees what the admission reserved; cancelling a request that waits for
+admission tells the prefill side to release its region.
+
+Transfers are synchronous within the admission pass (the host store may grow, i.e. move, at the next
+admission, so a transfer into it completes before the next ``try_admit``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dhisparse.disagg.loading import load_engine_parts
+from dhisparse.disagg.nixl_transfer import NixlImporter, TransferError
+from dhisparse.disagg.params import ContextPhaseParams
+from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.llm_engine import LLMEngine
+from dhisparse.engine.request import Request, RequestUpdate, Status
+from dhisparse.engine.sampling import SamplingParams
+from dhisparse.errors import InvalidRequestError
+from dhisparse.model.model import DSAModel
+from dhisparse.spec.speculator import Speculator
+
+
+class DecodeEngine(LLMEngine):
+    """Decode engine for imported requests (see the module docstring)."""
+
+    def __init__(self, model: DSAModel, cfg: EngineConfig, speculator: Speculator | None,
+                 importer: NixlImporter) -> None:
+        super().__init__(model, cfg, speculator)
+        self.importer = importer
+        self.imports: dict[str, ContextPhaseParams] = {}
+        self.errors: dict[str, str] = {}
+
+    # ------------------------------------------------------------------------------------------- requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+                    ) -> str:
+        raise InvalidRequestError("the generation engine serves only imported requests (generation_only with "
+                                  "context_phase_params); use add_imported_request")
+
+    def add_imported_request(self, prompt_token_ids: list[int], params: SamplingParams, context: ContextPhaseParams,
+                             request_id: str | None = None) -> str:
+        """Queue a request whose context phase ran elsewhere; returns its id."""
+        prompt = [int(t) for t in prompt_token_ids]
+        self.validate(prompt, params)
+        if len(prompt) != context.layout.prompt_len:
+            raise InvalidRequestError(f"context_phase_params describe a {context.layout.prompt_len}-token prompt, "
+                                      f"the request has {len(prompt)} tokens")
+        if not 0 <= context.first_token < self.model.cfg.vocab_size:
+            raise InvalidRequestError(f"context_phase_params: first token {context.first_token} is outside the "
+                                      "vocabulary")
+        if (self.spec is not None) != (context.layout.feature_rows > 0):
+            raise InvalidRequestError("context_phase_params: drafter features "
+                                      f"{'missing' if self.spec is not None else 'present'}; run the context and "
+                                      "generation engines with the same speculative setting")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, prompt, params, context.seed)
+        self.requests[request_id] = req
+        self.imports[request_id] = context
+        self.waiting.append(req)
+        self.counters["requests_added"] += 1
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        context = self.imports.pop(request_id, None)
+        if req is not None and req.status is Status.WAITING and context is not None:
+            self.importer.release_remote(context)  # never pulled: the prefill side may free its region now
+        return super().abort_request(request_id)
+
+    # ----------------------------------------------------------------------------------------- admission
+    def _admit_and_prefill(self, updates: list[RequestUpdate]) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_batch_size:
+            req = self.waiting[0]
+            if not self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens):
+                if not req.counters.get("waited"):
+                    req.counters["waited"] = 1.0
+                    self.counters["admissions_waited"] += 1
+                break
+            self.waiting.popleft()
+            req.kv_admitted = True  # LLMEngine._finish releases what the admission reserved
+            req.admitted_time = time.perf_counter()
+            context = self.imports.pop(req.request_id)
+            try:
+                features = self._pull(req, context)
+            except (TransferError, ValueError) as error:  # ValueError: params that do not fit this engine's layout
+                self._fail_import(req, str(error), updates)
+                continue
+            req.status = Status.RUNNING
+            if self.spec is not None:
+                assert features is not None
+                req.spec_state = self.spec.start(features.to(self.model.device))
+            req.num_computed = req.prompt_len
+            req.counters["disagg_queue_s"] = context.queue_s
+            req.counters["disagg_prefill_s"] = context.prefill_s
+            # TTFT split, summed over imported requests (/metrics: divide by `transfers` for means)
+            self.counters["context_queue_seconds"] += context.queue_s
+            self.counters["context_prefill_seconds"] += context.prefill_s
+            self.running.append(req)
+            self._append_tokens(req, [context.first_token], updates)
+
+    def _pull(self, req: Request, context: ContextPhaseParams) -> torch.Tensor | None:
+        """READ the request's history and import it into the KV manager; returns the drafter features."""
+        layout = context.layout
+        host_rows_of = getattr(self.kv, "history_host_rows", None)
+        rows_at = host_rows_of(req.request_id) if host_rows_of is not None else None
+        meta_start = 0 if rows_at is None else layout.meta_offset
+        scratch = self.importer.scratch(layout.total_bytes - meta_start)
+        local, remote, lengths = [], [], []
+        if layout.total_bytes > meta_start:
+            local.append(np.array([scratch.data_ptr()]))
+            remote.append(np.array([meta_start]))
+            lengths.append(np.array([layout.total_bytes - meta_start]))
+        tensors = [scratch]
+        if rows_at is not None:
+            host = self.kv.host.rows
+            if host.dtype.itemsize != layout.element_bytes or host.shape[1] != layout.row_dim:
+                raise TransferError(f"context_phase_params: rows of {layout.row_dim} × {layout.rows_dtype} do not "
+                                    f"match this engine's host store ({host.shape[1]} × {host.dtype})")
+            page_rows = self.kv.host.page_rows
+            starts = torch.arange(0, layout.prompt_len, page_rows)
+            run = (layout.prompt_len - starts).clamp(max=page_rows)
+            sources = torch.arange(layout.num_sources).unsqueeze(1)
+            local.append((host.data_ptr() + rows_at[:, starts] * layout.row_bytes).reshape(-1).numpy())
+            remote.append(((sources * layout.prompt_len + starts) * layout.row_bytes).reshape(-1).numpy())
+            lengths.append((run * layout.row_bytes).expand(layout.num_sources, -1).reshape(-1).numpy())
+            tensors.append(host)
+        started = time.perf_counter()
+        self.importer.read(context, tensors, np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
+        seconds = time.perf_counter() - started
+        req.counters["disagg_transfer_s"] = seconds
+        req.counters["disagg_transfer_bytes"] = float(layout.total_bytes)
+        self.counters["transfer_seconds"] += seconds
+        self.counters["transfer_bytes"] += layout.total_bytes
+        self.counters["transfers"] += 1
+        keys = {k: v.clone() for k, v in layout.unpack_keys(scratch, meta_start).items()}
+        features = layout.unpack_features(scratch, meta_start)
+        features = features.clone() if features is not None else None
+        if rows_at is None:
+            self.kv.import_prompt(req.request_id, layout.unpack_rows(scratch).clone(), keys)
+        else:
+            self.kv.import_host_history(req.request_id, keys)
+        return features
+
+    def _fail_import(self, req: Request, message: str, updates: list[RequestUpdate]) -> None:
+        self.errors[req.request_id] = message
+        self.counters["transfers_failed"] += 1
+        self._end_with_error(req, message, updates)  # frees what the admission reserved; the update names it
+
+
+def load_decode_engine(engine_dir: str | Path, importer: NixlImporter, **runtime_overrides: Any) -> DecodeEngine:
+    """A :class:`DecodeEngine` for an engine directory (``runtime_overrides`` as for ``LLM``)."""
+    config, model, speculator = load_engine_parts(engine_dir, **runtime_overrides)
+    return DecodeEngine(model, config, speculator, importer)

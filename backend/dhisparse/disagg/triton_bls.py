@@ -1,0 +1,114 @@
+"""The `disaggregated_serving_bls` orchestrator: `context` (context_only) → `generation` (generation_only).
+
+Same inputs and outputs as the `dhisparse` model (tensorrtllm_backend's `tensorrt_llm` names: ``input_ids``,
+``request_output_len``, ``streaming``, … → ``output_ids``, ``sequence_length``), so the `ensemble` uses it in place
+of the LLM model. Per request, on its own thread:
+
+1. call `context` with ``request_type = context_only``; its response carries the first token and
+   ``context_phase_params`` (UINT8: NIXL metadata and descriptors of the prompt's history);
+2. streaming: send the first token to the client at once (tensorrtllm_backend leaves this as a TODO);
+3. call `generation` (decoupled) with the same inputs, ``request_type = generation_only`` and that tensor, and
+   forward its tokens; its first update repeats the first token, which is dropped when it was already sent.
+
+Errors of either phase reach the client as an error response. A client that cancels (or disconnects) is noticed
+between responses: before the generation phase nothing more is called (the prefill side frees the region at its
+hold deadline); during it a control request (``cancel_request_id``) aborts the generation request, which frees its
+KV memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from typing import Any
+
+import numpy as np
+
+from dhisparse.serving.llm_request import LLM_INPUTS, output_arrays
+from dhisparse.serving.triton_tensors import error_response, request_arrays, response
+
+INPUTS = tuple(name for name in LLM_INPUTS if name != "cancel_request_id")
+
+
+class DisaggregatedBLS:
+    def __init__(self, pb: Any, context_model: str = "context", generation_model: str = "generation") -> None:
+        self._pb, self._context, self._generation = pb, context_model, generation_model
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    def start(self, request: Any) -> None:
+        """Read the tensors now (they live only during execute) and orchestrate from a thread."""
+        sender = request.get_response_sender()
+        inputs = request_arrays(self._pb, request, INPUTS)
+        threading.Thread(target=self._run, args=(inputs, sender), daemon=True).start()
+
+    def _request(self, model: str, arrays: dict[str, np.ndarray], request_id: str, outputs: list[str]) -> Any:
+        tensors = [self._pb.Tensor(name, value) for name, value in arrays.items()]
+        return self._pb.InferenceRequest(model_name=model, inputs=tensors, request_id=request_id,
+                                         requested_output_names=outputs)
+
+    def _cancel(self, target: str) -> None:
+        # Its own request id: a control request sharing the target's id stalls the target's stream.
+        control = self._request(self._generation, {"cancel_request_id": np.array([[target.encode()]], dtype=object)},
+                                f"{target}-cancel", ["output_ids", "sequence_length"])
+        for _ in control.exec(decoupled=True):
+            pass
+
+    def _cancelled_error(self) -> Any:
+        return self._pb.TritonError("request cancelled by the client", self._pb.TritonError.CANCELLED)
+
+    def _run(self, inputs: dict[str, np.ndarray], sender: Any) -> None:
+        pb, final = self._pb, self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        request_id = f"disagg-{self._prefix}-{next(self._ids)}"
+        streaming = bool(np.asarray(inputs.get("streaming", np.array([[False]]))).reshape(-1)[0])
+        try:
+            context_inputs = {**inputs, "request_type": np.array([[b"context_only"]], dtype=object)}
+            answer = self._request(self._context, context_inputs, f"{request_id}-ctx",
+                                   ["output_ids", "sequence_length", "context_phase_params"]).exec()
+            if answer.has_error():
+                sender.send(error_response(pb, RuntimeError(f"context phase: {answer.error().message()}")),
+                            flags=final)
+                return
+            first = int(pb.get_output_tensor_by_name(answer, "output_ids").as_numpy().reshape(-1)[0])
+            params = pb.get_output_tensor_by_name(answer, "context_phase_params").as_numpy()
+            if sender.is_cancelled():
+                sender.send(error_response(pb, self._cancelled_error()), flags=final)
+                return
+            if streaming:
+                sender.send(response(pb, output_arrays([first])))
+            generation_inputs = {**inputs, "request_type": np.array([[b"generation_only"]], dtype=object),
+                                 "context_phase_params": params.reshape(1, -1)}
+            tokens: list[int] = []
+            skip_first, cancelled = True, False
+            for inner in self._request(self._generation, generation_inputs, f"{request_id}-gen",
+                                       ["output_ids", "sequence_length"]).exec(decoupled=True):
+                if not cancelled and sender.is_cancelled():
+                    cancelled = True
+                    self._cancel(f"{request_id}-gen")
+                if cancelled:
+                    continue  # drain what the generation model still sends
+                if inner.has_error():
+                    sender.send(error_response(pb, RuntimeError(f"generation phase: {inner.error().message()}")),
+                                flags=final)
+                    return
+                output = pb.get_output_tensor_by_name(inner, "output_ids")
+                if output is None:
+                    continue
+                length = int(pb.get_output_tensor_by_name(inner, "sequence_length").as_numpy().reshape(-1)[0])
+                chunk = [int(t) for t in output.as_numpy().reshape(-1)[:length]]
+                if skip_first and chunk:
+                    skip_first = False
+                    if streaming:
+                        chunk = chunk[1:]  # the client has the first token already
+                tokens.extend(chunk)
+                if streaming and chunk:
+                    sender.send(response(pb, output_arrays(chunk)))
+            if cancelled:
+                sender.send(error_response(pb, self._cancelled_error()), flags=final)
+            elif streaming:
+                sender.send(flags=final)
+            else:
+                sender.send(response(pb, output_arrays(tokens)), flags=final)
+        except Exception as error:
+            sender.send(error_response(pb, RuntimeError(f"request failed: {error}")), flags=final)

@@ -1,0 +1,149 @@
+"""Disaggregated prefill/decode over real NIXL transfers (UCX, host memory) between two processes on loopback.
+
+A context worker process prefills and publishes each prompt's history; this process runs the decode engine,
+which READs the history into its host store (or a staging buffer for policies without one) and decodes.
+Greedy tokens must equal the co-located engine's for every policy, with and without speculation, under a pool
+so tight that imports wait for memory; a killed prefill process ends its request with an error and leaks nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import random_prompts
+
+from dhisparse import LLM, SamplingParams
+
+nixl = pytest.importorskip("nixl._api", reason="NIXL (nixl==1.5.1) is not installed")
+
+from dhisparse.disagg.decode import DecodeEngine, load_decode_engine  # noqa: E402
+from dhisparse.disagg.nixl_transfer import NixlImporter  # noqa: E402
+from dhisparse.disagg.worker import ContextWorker  # noqa: E402
+from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig, DSparkDrafter, save_drafter  # noqa: E402
+from dhisparse_builder import BuildOptions, build_engine  # noqa: E402
+
+LENGTHS = [9, 41, 70]
+NEW_TOKENS = 12
+PARAMS = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_checkpoint, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("disagg")
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, target_hidden_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                  intermediate_size=64, max_block=8)
+    save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(1, 3), window=16, **common)), root / "dflash2")
+    save_drafter(DSparkDrafter(DSparkConfig(target_layer_ids=(3,), markov_rank=4, confidence_hidden=16, **common)),
+                 root / "dspark")
+    return build_engine(BuildOptions(tiny_checkpoint("glm_fsfs_sparse"), root / "engine", {"dtype": "float32"},
+                                     drafters=(root / "dflash2", root / "dspark")), progress=lambda d, t: None)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(LENGTHS, 96, seed=5)
+
+
+@pytest.fixture(scope="module")
+def colocated(engine_dir, prompts) -> list[list[int]]:
+    return [o.token_ids for o in LLM(engine_dir, kv_policy="dense").generate(prompts, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def importer():
+    imp = NixlImporter("decode-test", timeout_s=5.0)
+    yield imp
+    imp.close()
+
+
+@pytest.fixture(scope="module")
+def worker(engine_dir):
+    """One context process hosting the engine without a drafter ("") and with each drafter ("dflash2", "dspark")."""
+    variants = {kind: {"speculative": kind, "num_draft_tokens": 4} for kind in ("dflash2", "dspark")}
+    started = ContextWorker(engine_dir, agent_name="context-test", variants=variants)
+    yield started
+    started.close()
+
+
+def _tight_pool(engine_dir: Path, **kwargs) -> int:
+    probe = LLM(engine_dir, **kwargs, pool_bytes=1 << 24)
+    need = probe.engine.kv.required_bytes(max(LENGTHS), NEW_TOKENS)
+    return need + 2 * probe.engine.model.cfg.row_dim * 4 * 4 * probe.config.page_rows
+
+
+def _run(engine: DecodeEngine, ids: list[str]) -> dict[str, list[int]]:
+    while any(engine.requests[i].finish_reason is None for i in ids):
+        engine.step()
+        if hasattr(engine.kv, "check_invariants"):  # the dense reference store has none
+            engine.kv.check_invariants()
+    return {i: list(engine.requests[i].output_token_ids) for i in ids}
+
+
+def _wait_released(worker: ContextWorker) -> dict[str, float]:
+    for _ in range(1000):  # the worker frees a region when the READ's notification arrives
+        stats = worker.stats()
+        if stats["regions_held"] == 0:
+            return stats
+        time.sleep(0.01)
+    return worker.stats()
+
+
+@pytest.mark.parametrize("speculative", [None, "dflash2", "dspark"])
+def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, importer, worker, speculative
+                                               ) -> None:
+    spec = {"speculative": speculative, "num_draft_tokens": 4} if speculative else {}
+    for policy in ("dense", "resident", "hisparse", "adaptive"):
+        kwargs = dict(kv_policy=policy, page_rows=8, max_batch_size=4, **spec)
+        tight = policy != "dense"
+        if tight:
+            kwargs["pool_bytes"] = _tight_pool(engine_dir, **kwargs)
+        engine = load_decode_engine(engine_dir, importer, **kwargs)
+        ids = []
+        for n, prompt in enumerate(prompts):  # every context phase first: the prefill side holds the rows
+            rid = f"{policy}-{n}"
+            context = worker.prefill(prompt, PARAMS, rid, speculative or "")
+            ids.append(engine.add_imported_request(prompt, PARAMS, context, rid))
+        got = _run(engine, ids)
+        assert [got[i] for i in ids] == colocated, f"{policy} / {speculative}: tokens differ from co-located"
+        stats = engine.stats()
+        assert stats["transfers"] == len(prompts) and stats.get("transfers_failed", 0) == 0
+        if tight:
+            engine.kv.poll()
+            assert stats["kv_admissions_waited"] >= 1, "the tight pool should make imports wait"
+            after = engine.stats()
+            assert after["kv_required_bytes"] == 0 and after["kv_optional_bytes"] == 0
+            assert after["kv_host_pages_used"] == 0
+            engine.kv.check_invariants()
+        if policy == "adaptive":
+            assert stats["kv_rows_direct"] > 0
+        assert _wait_released(worker)["regions_held"] == 0
+
+
+def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, prompts, colocated, importer, worker
+                                                                  ) -> None:
+    healthy = worker
+    doomed = ContextWorker(engine_dir, agent_name="context-doomed")
+    try:
+        engine = load_decode_engine(engine_dir, importer, kv_policy="adaptive", page_rows=8, max_batch_size=4)
+        lost = engine.add_imported_request(prompts[2], PARAMS, doomed.prefill(prompts[2], PARAMS, "lost"), "lost")
+        kept = engine.add_imported_request(prompts[1], PARAMS, healthy.prefill(prompts[1], PARAMS, "kept"), "kept")
+        doomed.kill()  # its registered region dies with it, before the decode side pulls
+        updates = []
+        while engine.has_unfinished():
+            updates += engine.step()
+            engine.kv.check_invariants()
+        failed = [u for u in updates if u.request_id == lost]
+        assert failed and failed[-1].finished and failed[-1].finish_reason == "error"
+        assert "context-doomed" in engine.errors[lost]
+        assert engine.requests[kept].output_token_ids == colocated[1]
+        engine.kv.poll()
+        stats = engine.stats()
+        assert stats["transfers_failed"] == 1
+        assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0 and stats["kv_host_pages_used"] == 0
+        assert _wait_released(healthy)["regions_held"] == 0
+    finally:
+        doomed.close()
