@@ -28,10 +28,11 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512
     max_prefill_tokens_per_step: int = 4096
     kv_policy: str = "adaptive"
-    pool_bytes: int = 256 * 1024 * 1024
+    pool_bytes: int = 256 * 1024 * 1024  # 0 ("auto"): the device's free memory less the workspace bound
     hot_rows: int = 0  # 0: derived from index_topk (and the verification block when speculating)
     page_rows: int = 16
     reserve_bytes: int = 0
+    host_bytes: int = 0  # 0: half of the machine's physical memory
     refill_pages_per_step: int = 64
     speculative: str | None = None
     num_draft_tokens: int = 4
@@ -46,11 +47,12 @@ class EngineConfig:
             raise ConfigError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be None, 'dflash2' or 'dspark', got {self.speculative!r}")
-        for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "pool_bytes",
-                     "page_rows", "refill_pages_per_step", "num_draft_tokens"):
+        for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "page_rows",
+                     "refill_pages_per_step", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_new_tokens_limit", "hot_rows", "reserve_bytes", "dspark_busy_batch"):
+        for name in ("max_model_len", "max_new_tokens_limit", "pool_bytes", "hot_rows", "reserve_bytes", "host_bytes",
+                     "dspark_busy_batch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("dspark_min_confidence", "dspark_busy_confidence"):

@@ -23,7 +23,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
     kv_cfg = KVConfig(
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=hot_rows, page_rows=cfg.page_rows,
         reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
-        max_query_len=max_query_len,
+        max_query_len=max_query_len, host_bytes=cfg.host_bytes,
         **({"extra_required_bytes": extra_required_bytes} if extra_required_bytes else {}),
     )
     return KVManager(layout, kv_cfg, device)

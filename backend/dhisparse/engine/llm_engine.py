@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import logging
 import time
 import zlib
 from typing import NamedTuple
@@ -11,14 +13,17 @@ from typing import NamedTuple
 import torch
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.engine.kv_factory import make_kv_manager
+from dhisparse.engine.kv_factory import default_hot_rows, make_kv_manager
 from dhisparse.engine.request import Request, RequestUpdate, Status
 from dhisparse.engine.sampling import SamplingParams, filtered_probs, sample, seed_to_int64, uniform
+from dhisparse.engine.workspace import auto_pool_bytes, workspace_bound
 from dhisparse.errors import InvalidRequestError
 from dhisparse.model.model import DSAModel
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.speculator import Speculator
 from dhisparse.spec.staging import VerificationStaging
+
+log = logging.getLogger("dhisparse")
 
 
 class BatchSampling(NamedTuple):
@@ -68,6 +73,14 @@ class LLMEngine:
             self._staging_slot = tuple(g.index(i) for g in groups for i in g)
             extra = speculator.ring_bytes_per_request + self.staging.bytes_per_request()
         self.spec_bytes_per_request = extra
+        self.workspace = workspace_bound(
+            mcfg, cfg.torch_dtype, max_batch_size=cfg.max_batch_size, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+            query_len=self.query_len, max_model_len=self.max_model_len, page_rows=cfg.page_rows,
+            hot_rows=cfg.hot_rows or default_hot_rows(mcfg, self.query_len))
+        if cfg.pool_bytes == 0:  # "auto"
+            cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(torch.device(cfg.device), self.workspace))
+            self.cfg = cfg
+        log.info("%s; KV pool %d bytes", self.workspace.describe(), cfg.pool_bytes)
         self.kv = make_kv_manager(mcfg, cfg, self.query_len, extra_required_bytes=extra)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -194,8 +207,9 @@ class LLMEngine:
         positions = torch.tensor([[r.num_computed] for r in batch], dtype=torch.int64, device=dev)
         step_kv = self.kv.begin_step([r.request_id for r in batch], 1)
         out = self.model.forward(ids, positions, step_kv)
-        self.kv.end_step({r.request_id: 1 for r in batch})
-        tokens = self._sample(batch, out.logits[:, -1])
+        # One host read per decode step: the sampled tokens together with the KV step's report.
+        tokens, report = self.kv.sync.read(self._sample_tensor(batch, out.logits[:, -1]), step_kv.report())
+        self.kv.end_step({r.request_id: 1 for r in batch}, report=report)
         self.counters["decode_steps"] += 1
         self.counters["decode_batch_rows"] += len(batch)
         for req, token in zip(list(batch), tokens, strict=False):
@@ -209,26 +223,34 @@ class LLMEngine:
         slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
         sampling = BatchSampling.of(batch, dev)
-        draft, q_draft, lengths, _ = spec.propose(slots, last, len(batch), sampling.temperature, sampling.seeds,
-                                                  sampling.counters)
-        q_len = int(lengths.max()) + 1  # every request verifies its own `lengths[b]`; the batch pads to the max
+        draft, q_draft, lengths, confidence = spec.propose(slots, last, len(batch), sampling.temperature,
+                                                           sampling.seeds, sampling.counters)
+        # Every request verifies its own `lengths[b]`; the batch pads to the max (without a confidence head every
+        # request verifies all gamma drafts, known without reading the device).
+        q_len = spec.gamma + 1 if confidence is None else self.kv.sync.read(lengths.max())[0][0] + 1
         draft, q_draft = draft[:, : q_len - 1], q_draft[:, : q_len - 1]
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
         base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
-        step_kv = self.staging.wrap(self.kv.begin_step([r.request_id for r in batch], q_len), self._staging_slot)
+        inner = self.kv.begin_step([r.request_id for r in batch], q_len)
+        step_kv = self.staging.wrap(inner, self._staging_slot)
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
-        accepted, next_tokens = self._accept(sampling, out.logits, draft, q_draft, lengths)
-        kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
-        self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist(), strict=False)})
-        spec.advance(slots, spec.features(out.hidden), kept)
+        any_sampled = any(r.params.temperature > 0 for r in batch)
+        accepted, next_tokens = self._accept(sampling, out.logits, draft, q_draft, lengths, any_sampled)
+        # One host read after verification: acceptance, next tokens, drafts and lengths with the KV step's report.
+        acc_l, next_l, draft_flat, len_l, report = self.kv.sync.read(accepted, next_tokens, draft, lengths,
+                                                                     inner.report())
+        kept_l = [n + 1 for n in acc_l]  # the last accepted token's row and the accepted drafts' rows stay
+        self.kv.end_step({r.request_id: k for r, k in zip(batch, kept_l, strict=True)}, report=report)
+        spec.advance(slots, spec.features(out.hidden), accepted + 1)
         self.counters["verify_steps"] += 1
         self.counters["verify_rows"] += len(batch)
-        self.counters["draft_tokens_proposed"] += int(lengths.sum())
-        self.counters["draft_tokens_accepted"] += int(accepted.sum())
-        self.counters["draft_tokens_shortened"] += int((spec.gamma - lengths).sum())
-        for req, n, k, nxt, row, g in zip(list(batch), accepted.tolist(), kept.tolist(), next_tokens.tolist(),
-                                          draft.tolist(), lengths.tolist(), strict=False):
+        self.counters["draft_tokens_proposed"] += sum(len_l)
+        self.counters["draft_tokens_accepted"] += sum(acc_l)
+        self.counters["draft_tokens_shortened"] += sum(spec.gamma - g for g in len_l)
+        width = q_len - 1
+        draft_l = [draft_flat[i * width:(i + 1) * width] for i in range(len(batch))]
+        for req, n, k, nxt, row, g in zip(list(batch), acc_l, kept_l, next_l, draft_l, len_l, strict=True):
             req.num_computed += k
             req.counters["draft_tokens_proposed"] = req.counters.get("draft_tokens_proposed", 0.0) + g
             req.counters["draft_tokens_accepted"] = req.counters.get("draft_tokens_accepted", 0.0) + n
@@ -237,11 +259,12 @@ class LLMEngine:
 
     @staticmethod
     def _accept(sampling: BatchSampling, logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor,
-                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy rows: prefix match. Sampled rows: rejection sampling against the drafts' proposal law ``q``."""
+                lengths: torch.Tensor, any_sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy rows: prefix match. Sampled rows: rejection sampling against the drafts' proposal law ``q``.
+        ``any_sampled``: whether a row has a temperature above 0 (known on the host)."""
         accepted, next_tokens = greedy_accept(logits, draft, lengths)
         sampled = sampling.temperature > 0
-        if not bool(sampled.any()):
+        if not any_sampled:
             return accepted, next_tokens
         b, q, v = logits.shape
         p = filtered_probs(logits.reshape(b * q, v), sampling.temperature.repeat_interleave(q),
@@ -252,9 +275,13 @@ class LLMEngine:
         s_acc, s_next = rejection_accept(p, draft, q_draft, lengths, u_accept, u_next)
         return torch.where(sampled, s_acc, accepted), torch.where(sampled, s_next, next_tokens)
 
+    def _sample(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
+        return self.kv.sync.read(self._sample_tensor(batch, logits))[0]
+
     @staticmethod
-    def _sample(batch: list[Request], logits: torch.Tensor) -> list[int]:
-        return sample(logits, *BatchSampling.of(batch, logits.device)).tolist()
+    def _sample_tensor(batch: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        greedy = all(r.params.temperature <= 0 for r in batch)
+        return sample(logits, *BatchSampling.of(batch, logits.device), all_greedy=greedy)
 
     def _append_tokens(self, req: Request, tokens: list[int], updates: list[RequestUpdate]) -> None:
         """Append accepted tokens, stopping at a stop token or the length limit."""
@@ -302,6 +329,7 @@ class LLMEngine:
         out["requests_waiting"] = float(len(self.waiting))
         out["requests_running"] = float(len(self.running))
         out.update(self.kv.stats())
+        out["workspace_bound_bytes"] = float(self.workspace.total_bytes)
         if self.spec is not None:
             out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
             out["spec_staging_bytes_per_request"] = float(self.staging.bytes_per_request())

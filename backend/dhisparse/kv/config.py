@@ -133,6 +133,9 @@ class KVConfig:
         max_query_len: the most new tokens per request per step: 1, or ``gamma + 1`` when speculating.
         extra_required_bytes: further device bytes every request holds while admitted and never lends — the
             speculative state (draft ring buffer and verification staging) when a drafter is configured.
+        host_bytes: capacity of the host store in bytes (``0``: half of the machine's physical memory). Every
+            admitted request of a host-backed policy owns host pages for its whole capacity; an admission waits
+            while they are not free.
     """
 
     policy: str = "adaptive"
@@ -143,6 +146,7 @@ class KVConfig:
     refill_pages_per_step: int = 8
     max_query_len: int = 1
     extra_required_bytes: int = 0
+    host_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in KV_POLICIES:
@@ -159,6 +163,8 @@ class KVConfig:
             )
         if self.extra_required_bytes < 0:
             raise ConfigError(f"extra_required_bytes must be >= 0, got {self.extra_required_bytes}")
+        if self.host_bytes < 0:
+            raise ConfigError(f"host_bytes must be >= 0 (0: from the machine's memory), got {self.host_bytes}")
         if self.max_query_len < 1:
             raise ConfigError(f"max_query_len must be >= 1, got {self.max_query_len}")
 

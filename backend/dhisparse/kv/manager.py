@@ -17,6 +17,13 @@ outstanding copies (the deferred backups) and admits at once; during an open ste
 memory frees after the step. If every reclaimable page together cannot cover it, nothing is reclaimed and
 the admission waits (``try_admit`` returns False; the caller retries later).
 While any admission waits, refill is paused.
+
+Host tier: the host store has a fixed capacity (``KVConfig.host_bytes``); a host-backed admission also needs
+host pages for the request's whole capacity and waits (``try_admit`` returns False) while they are not free.
+
+Host reads: a step reads the device once (``end_step``), or not at all when the engine passes the values of
+``StepKV.report()`` it read together with its sampled tokens; every read goes through :attr:`sync`
+(``kv_host_syncs`` in ``stats()``).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dhisparse.kv.copies import CopyEngine, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
 from dhisparse.kv.host_store import HostStore
+from dhisparse.kv.host_sync import HostSync
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.request_state import RequestKV
 from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
@@ -42,14 +50,17 @@ class KVManager:
     """Load-adaptive KV hierarchy for one model (see the module docstring for the protocol)."""
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device | str = "cpu",
-                 poison_freed: bool = False) -> None:
+                 poison_freed: bool = False, debug_checks: bool = False, host_chunk_bytes: int | None = None) -> None:
         config.validate_for(layout)
         self.layout, self.config = layout, config
         self.device = torch.device(device)
         self.indexer_layers = frozenset(layout.indexer_layers)
         self.pool = DevicePool(layout, config, self.device, poison_freed)
-        self.host = HostStore(layout, config.page_rows, self.device, poison_freed)
-        self.copies = CopyEngine(self.device)
+        chunk = {} if host_chunk_bytes is None else {"chunk_bytes": host_chunk_bytes}
+        self.host = HostStore(layout, config.page_rows, self.device, poison_freed, config.host_bytes, **chunk)
+        self.debug_checks = debug_checks  # read and raise the step's checks at once (one read per check)
+        self.sync = HostSync()
+        self.copies = CopyEngine(self.device, self.sync)
         self.fence = ReaderFence(self.device)
         self.requests: dict[str, RequestKV] = {}
         self.releasing: list[tuple[RequestKV, int]] = []  # (request, epoch at release)
@@ -65,9 +76,20 @@ class KVManager:
         """Device bytes a request reserves at admission under the configured policy."""
         return request_footprint(self.layout, self.config, prompt_len, max_new_tokens).required_bytes
 
+    def host_pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Host pages a request owns while admitted (0 for ``resident``)."""
+        if not self.config.uses_host:
+            return 0
+        fp = request_footprint(self.layout, self.config, prompt_len, max_new_tokens)
+        return self.layout.num_sources * fp.num_pages
+
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
         """Why a request of this size could never be admitted even on an empty pool (``None``: it can be)."""
         need = self.required_bytes(prompt_len, max_new_tokens)
+        host_pages = self.host_pages_needed(prompt_len, max_new_tokens)
+        if host_pages > self.host.num_pages:
+            return (f"the request needs {host_pages} host pages but host_bytes {self.host.host_bytes} holds "
+                    f"{self.host.num_pages}; raise host_bytes or lower max_new_tokens")
         if need + self.config.reserve_bytes <= self.config.pool_bytes:
             return None
         return (
@@ -97,12 +119,25 @@ class KVManager:
                 self.fence.wait(self.fence.issued)
             self._free_safe()
             deficit = fp.required_bytes - self.pool.spare_bytes
+        if deficit <= 0 and not self._host_pages_free(self.host_pages_needed(prompt_len, max_new_tokens)):
+            deficit = 1  # host pages are short: wait for a release
         if deficit > 0:
             self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
             self.check_budget()
             return False
         self._admit(request_id, prompt_len, max_new_tokens, fp)
         return True
+
+    def _host_pages_free(self, count: int) -> bool:
+        """Whether ``count`` host pages are free; between steps, finish the releases whose copies and readers
+        are the only thing keeping their pages (as a GPU would wait on its streams)."""
+        if count <= self.host.free_pages:
+            return True
+        if self.releasing and self.step is None:
+            self.copies.wait_all()
+            self.fence.wait(self.fence.issued)
+            self._free_safe()
+        return count <= self.host.free_pages
 
     def _reclaim_for(self, deficit: int) -> bool:
         """Reclaim whole requests' optional pages in reclaim order until the memory on its way out covers
@@ -137,7 +172,9 @@ class KVManager:
         hot_loc = self.pool.page_rows_of(hot_pages.reshape(-1)).view(sources, -1)[:, :hot_rows].contiguous()
         host_pages = None
         if cfg.uses_host:
-            host_pages = self.host.allocate(sources * fp.num_pages, self.copies.wait_all).view(sources, -1)
+            taken = self.host.allocate(sources * fp.num_pages)
+            assert taken is not None, "try_admit checked the free host pages"
+            host_pages = taken.view(sources, -1)
         prompt_pages = prompt_len // cfg.page_rows if cfg.policy == "adaptive" else 0
         req = RequestKV(
             request_id=request_id, prompt_len=prompt_len, max_new_tokens=max_new_tokens, footprint=fp,
@@ -210,12 +247,16 @@ class KVManager:
             self.copies.wait(req.import_ticket)
             map_tail_pages(req, last, self.config.page_rows, self.copies, self.fence)
         self.fence.begin()
+        self.sync.mark_step()
         self._steps += 1
         self.step = StepKV(self, reqs, query_len, stamp=self._steps)
         return self.step
 
-    def end_step(self, accepted: dict[str, int]) -> None:
-        """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest."""
+    def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
+        """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest.
+
+        ``report``: the values of ``step.report()`` if the caller already read them (fused into its own read);
+        else they are read here (one counted host read). A check the step failed raises here."""
         step = self.step
         if step is None:
             raise RuntimeError("no step is open")
@@ -223,6 +264,9 @@ class KVManager:
         if set(accepted) != {r.request_id for r in step.requests}:
             raise ValueError("end_step needs an accepted count for exactly the step's requests")
         step.wait_fetches()  # prefetches of layers the model skipped must not outlive the step
+        if report is None:
+            report = self.sync.read(step.report())[0]
+        counts = step.check_report(report)
         for b, req in enumerate(step.requests):
             keep = int(accepted[req.request_id])
             if not 0 <= keep <= q:
@@ -234,7 +278,7 @@ class KVManager:
             unmap_rejected(req, start + q, self.config.page_rows)
             req.hot_pos.copy_(step.hot_pos[b])
             req.hot_stamp.copy_(step.hot_stamp[b])
-            direct, hot, host = (float(v) for v in step.counts[b].tolist())
+            direct, hot, host = (float(v) for v in counts[b])
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
                                 ("resolved_rows", direct + hot + host), ("host_fetched_rows", host),
                                 ("host_fetched_bytes", host * self.layout.row_bytes)):
@@ -332,6 +376,9 @@ class KVManager:
         out["requests_releasing"] = float(len(self.releasing))
         out["copies_pending"] = float(self.copies.num_pending)
         out["host_pages_used"] = float(self.host.used_pages)
+        out["host_pages"] = float(self.host.num_pages)
+        out["host_bytes_allocated"] = float(self.host.rows.nbytes)
+        out["host_syncs"] = float(self.sync.reads)
         return {f"kv_{name}": value for name, value in out.items()}
 
     def request_stats(self, request_id: str) -> dict[str, float]:

@@ -6,6 +6,13 @@ calls :meth:`write` first, then :meth:`index_keys` / :meth:`gather`. Resolution 
 once per source and positions tensor; when the layer leads a GLM-style index group the other sources
 of the group are resolved at the same time and their host copies issued ahead (prefetch), and a source
 shared by several layers reuses the first layer's location vector.
+
+Host reads: no per-layer call reads a device value on the host. Checks (a selected position past the length, a
+hot-cache overflow, an unmapped tail row) and the resolver's statistics accumulate on the device and are read
+once per step (:meth:`report`, read by ``end_step`` or fused into the engine's own read); with
+``KVManager(debug_checks=True)`` the checks are read and raised at once instead. Host copies of missing rows
+use the resolver's fixed-shape copy list (``fetch_*``): rows that are not misses are copied into the arena's
+scratch row, so the list's length is never needed on the host.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 
 from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.request_state import RequestKV
-from dhisparse.kv.resolver import Resolution, resolve
+from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, resolve
 
 if TYPE_CHECKING:
     from dhisparse.kv.manager import KVManager
@@ -27,7 +34,16 @@ if TYPE_CHECKING:
 class _Resolved:
     positions: torch.Tensor  # [B, X, K] as passed by the model
     resolution: Resolution
-    ticket: CopyTicket | None  # host→device copies of the misses (None if nothing missed)
+    ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
+
+# Error flags accumulated on the device during a step (read once, see ``report``).
+FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
+_FLAG_MESSAGES = (
+    "gather: a selected position is at or past the request's length",
+    "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots; "
+    "raise hot_rows (B) to at least the number of distinct rows one step can select",
+    "tail page of a new row is not mapped (begin_step broke its contract)",
+)
 
 
 class StepKV:
@@ -47,6 +63,7 @@ class StepKV:
         pool = manager.pool
         self.starts = torch.tensor([r.length for r in requests], dtype=torch.int64, device=device)
         self.lengths = self.starts + query_len
+        self.max_length = max(r.length for r in requests) + query_len  # known on the host, no read
         max_pages = max(r.page_table.shape[1] for r in requests)
         sources = manager.layout.num_sources
         table = torch.full((len(requests), sources, max_pages), -1, dtype=torch.int64, device=device)
@@ -61,7 +78,7 @@ class StepKV:
             for b, r in enumerate(requests):
                 assert r.host_pages is not None
                 host[b, :, : r.host_pages.shape[1]] = r.host_pages
-            self.host_pages: torch.Tensor | None = host
+            self.host_pages: torch.Tensor | None = host.to(device)
         else:
             self.host_pages = None
         # Arena rows of the new tokens: [B, S, Q].
@@ -69,6 +86,7 @@ class StepKV:
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
+        self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
         self._resolved: dict[int, _Resolved] = {}
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
@@ -85,9 +103,8 @@ class StepKV:
                              f"got {list(rows.shape)}")
         source = m.layout.source_of_layer[layer]
         dst = self.new_rows[:, source, :].reshape(-1)
-        if bool((dst < 0).any()):
-            raise RuntimeError("tail page of a new row is not mapped (begin_step broke its contract)")
-        m.pool.arena.index_copy_(0, dst, rows.reshape(-1, rows.shape[-1]).to(m.pool.arena.dtype))
+        self._flag(FLAG_UNMAPPED, (dst < 0).any(), RuntimeError)
+        m.pool.arena.index_copy_(0, dst.clamp(min=0), rows.reshape(-1, rows.shape[-1]).to(m.pool.arena.dtype))
         if layer in m.indexer_layers:
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
@@ -97,18 +114,20 @@ class StepKV:
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
-    def index_keys(self, layer: int) -> torch.Tensor:
-        """``[B, Tmax, index_key_dim]`` keys of all positions incl. the new ones; zero past ``lengths[b]``."""
+    def index_keys(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """``[B, stop - start, index_key_dim]`` keys of positions ``start .. stop-1`` (``stop`` defaults to
+        ``max_length``: every position incl. the new ones); zero past ``lengths[b]``."""
         self._check_open()
         m = self._m
         if layer not in m.indexer_layers:
             raise ValueError(f"layer {layer} has no indexer")
-        t_max = int(self.lengths.max())
-        out = torch.zeros(len(self.requests), t_max, m.layout.index_key_dim, dtype=m.layout.dtype,
+        stop = self.max_length if stop is None else stop
+        out = torch.zeros(len(self.requests), stop - start, m.layout.index_key_dim, dtype=m.layout.dtype,
                           device=m.device)
         for b, r in enumerate(self.requests):
-            n = r.length + self.query_len
-            out[b, :n] = r.index_keys[layer][:n]
+            n = min(r.length + self.query_len, stop) - start
+            if n > 0:
+                out[b, :n] = r.index_keys[layer][start:start + n]
         return out
 
     # ------------------------------------------------------------------------------------------ gather
@@ -120,9 +139,7 @@ class StepKV:
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
             raise ValueError(f"gather(layer {layer}): positions must be [{len(self.requests)}, X, K]")
         positions = positions.to(m.device, torch.int64)
-        bad = positions >= self.lengths.view(-1, 1, 1)
-        if bool(bad.any()):
-            raise ValueError(f"gather(layer {layer}): a selected position is at or past the request's length")
+        self._flag(FLAG_BAD_POSITION, (positions >= self.lengths.view(-1, 1, 1)).any(), ValueError)
         source = m.layout.source_of_layer[layer]
         entry = self._lookup(source, positions)
         if entry is None:
@@ -142,28 +159,58 @@ class StepKV:
         entry = self._resolved.get(source)
         if entry is None:
             return None
-        same = entry.positions is positions or (
-            entry.positions.shape == positions.shape and torch.equal(entry.positions, positions)
-        )
+        same = entry.positions is positions  # the model passes the group's selection tensor itself
+        if not same and entry.positions.shape == positions.shape:  # an equal copy: compare (one counted read)
+            same = bool(self._m.sync.read((entry.positions != positions).any())[0][0] == 0)
         return entry if same else None
 
     def _resolve(self, source: int, positions: torch.Tensor) -> None:
         m = self._m
         flat = positions.reshape(len(self.requests), -1)
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
-                      self.hot_loc[:, source], self.stamp, m.pool.page_rows)
+                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, on_device=True)
         self.resolver_calls += 1
         self.hot_pos[:, source] = res.hot_pos
         self.hot_stamp[:, source] = res.hot_stamp
         self.counts += res.counts
+        assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
+        self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
         ticket = None
-        if res.copy_request.numel() > 0:
-            if self.host_pages is None:
-                raise RuntimeError("resolver asked for host rows under the resident policy")
-            req_idx, pos = res.copy_request.cpu(), res.copy_position.cpu()
-            host_rows = m.host.rows_of(self.host_pages[req_idx, source, pos // m.pool.page_rows], pos)
-            ticket = m.copies.issue("fetch", m.pool.arena, res.copy_location, m.host.rows, host_rows)
+        if self.host_pages is not None:
+            # Fixed-shape copy list: misses copy their host row into their slot, every other entry copies host
+            # row 0 into the scratch row (resident never misses: its history is all direct).
+            mask, pos = res.fetch_mask, res.fetch_position
+            page = self.host_pages[:, source].gather(1, (pos // m.pool.page_rows).clamp(
+                max=self.host_pages.shape[2] - 1))
+            src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
+            assert res.fetch_location is not None
+            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
+            ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
         self._resolved[source] = _Resolved(positions, res, ticket)
+
+    def _flag(self, flag: int, broken: torch.Tensor, error: type[Exception]) -> None:
+        """Record a check on the device; in debug mode read and raise it now (one counted read per check)."""
+        if self._m.debug_checks:
+            if self._m.sync.read(broken)[0][0]:
+                raise error(_FLAG_MESSAGES[flag])
+            return
+        self.flags[flag] |= broken
+
+    def report(self) -> torch.Tensor:
+        """What ``end_step`` reads from the device, as one int64 vector: the per-request resolution counts
+        ``[B, 3]`` (flattened) followed by the error flags. The engine may read it together with its sampled
+        tokens (one transfer) and pass the values to ``end_step(report=...)``."""
+        return torch.cat([self.counts.reshape(-1), self.flags.to(torch.int64)])
+
+    def check_report(self, values: list[int]) -> list[list[int]]:
+        """Raise the first error flag set in ``values`` (from :meth:`report`); return the counts per request."""
+        batch = len(self.requests)
+        flags = values[3 * batch:]
+        errors = (ValueError, HotCacheOverflowError, RuntimeError)
+        for flag, is_set in enumerate(flags):
+            if is_set:
+                raise errors[flag](_FLAG_MESSAGES[flag])
+        return [values[3 * b: 3 * b + 3] for b in range(batch)]
 
     def wait_fetches(self) -> None:
         """Complete every host→device copy this step issued (called by ``end_step``)."""

@@ -36,12 +36,13 @@ class StagedStepKV:
     def __init__(self, inner: StepKV, staging: VerificationStaging, slot_of_layer: tuple[int, ...]) -> None:
         self.inner, self.staging, self.slot_of_layer = inner, staging, slot_of_layer
         self.lengths = inner.lengths
+        self.max_length = inner.max_length
 
     def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         self.inner.write(layer, rows, index_keys)
 
-    def index_keys(self, layer: int) -> torch.Tensor:
-        return self.inner.index_keys(layer)
+    def index_keys(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.inner.index_keys(layer, start, stop)
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         rows = self.inner.gather(layer, positions)

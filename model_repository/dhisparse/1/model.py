@@ -28,6 +28,7 @@ class TritonPythonModel:
         overrides = {key.removeprefix("engine."): repository.parse_override(value)
                      for key, value in parameters.items() if key.startswith("engine.")}
         llm = LLM(parameters["engine_dir"], **overrides)
+        print(f"dhisparse: {llm.engine.workspace.describe()}; KV pool {llm.engine.cfg.pool_bytes} bytes", flush=True)
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
         self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s)

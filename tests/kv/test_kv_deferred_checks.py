@@ -1,0 +1,44 @@
+"""The step's checks are accumulated on the device and raised once its single host read sees them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kv_driver import KVDriver, make_layout, make_manager
+
+from dhisparse.kv.config import KVLayout
+
+
+def test_a_bad_position_is_reported_at_the_end_of_the_step() -> None:
+    m = make_manager(make_layout("deepseek"), "hisparse", 100_000)
+    d = KVDriver(m)
+    assert d.submit("a", 6, 4)
+    step = m.begin_step(["a"], 1)
+    step.gather(0, torch.tensor([[[9, -1, -1, -1]]]))  # past the length: not read here
+    assert m.sync.reads == 0
+    with pytest.raises(ValueError, match="past the request's length"):
+        m.end_step({"a": 1})
+    assert m.sync.reads == 1
+
+
+@pytest.mark.parametrize("layers", [2, 12])
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_a_step_reads_the_host_once_whatever_the_layers_and_requests(layers, batch, query_len) -> None:
+    """Decode (Q=1) and verification (Q=3) steps with host fetches: exactly one counted read per step."""
+    layout = KVLayout(layers, list(range(layers)), 5, torch.float32, list(range(0, layers, 2)), 3, 4,
+                      [[i, i + 1] for i in range(0, layers, 2)])
+    m = make_manager(layout, "hisparse", 1 << 22, hot_rows=12, max_query_len=query_len)
+    d = KVDriver(m, seed=layers + batch)
+    for i in range(batch):
+        assert d.submit(f"r{i}", 9 + i, 8)
+    per_step = set()
+    rows_host = 0.0
+    for _ in range(3):
+        before = m.sync.reads
+        d.step(d.steppable(), query_len)
+        per_step.add(m.sync.reads - before)
+        d.poll()
+        rows_host = m.stats()["kv_rows_host"]
+    assert per_step == {1} and rows_host > 0
+    d.drain()
