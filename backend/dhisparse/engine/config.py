@@ -14,6 +14,7 @@ from dhisparse.errors import ConfigError
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 KV_POLICIES = ("resident", "hisparse", "adaptive", "dense")
 SPECULATIVE = (None, "dflash2", "dspark")
+KV_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class EngineConfig:
     page_rows: int = 16
     reserve_bytes: int = 0
     host_bytes: int = 0  # 0: half of the machine's physical memory
+    kv_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy policies only)
     refill_pages_per_step: int = 64
     speculative: str | None = None
     num_draft_tokens: int = 4
@@ -45,6 +47,11 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_policy not in KV_POLICIES:
             raise ConfigError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype == "fp8" and self.kv_policy == "dense":
+            raise ConfigError("kv_dtype 'fp8' needs a KV hierarchy policy (resident, hisparse or adaptive), "
+                              "not the dense reference store")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be None, 'dflash2' or 'dspark', got {self.speculative!r}")
         for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "page_rows",

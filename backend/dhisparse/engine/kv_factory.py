@@ -18,7 +18,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
     from dhisparse.kv import KVConfig, KVLayout, KVManager
 
-    layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype)
+    layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype, "fp8" if cfg.kv_dtype == "fp8" else "native")
     hot_rows = cfg.hot_rows or default_hot_rows(model_cfg, max_query_len)
     kv_cfg = KVConfig(
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=hot_rows, page_rows=cfg.page_rows,

@@ -38,7 +38,7 @@ class DevicePool:
         self.reserve_bytes = config.reserve_bytes
         self.num_pages = config.pool_bytes // self.page_bytes
         self.scratch_row = self.num_pages * config.page_rows
-        self.arena = torch.zeros(self.scratch_row + 1, layout.row_dim, dtype=layout.dtype, device=device)
+        self.arena = torch.zeros(self.scratch_row + 1, layout.storage_dim, dtype=layout.storage_dtype, device=device)
         self.poison_freed = poison_freed
         self._free: list[int] = list(range(self.num_pages))
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
@@ -107,7 +107,7 @@ class DevicePool:
             self.optional_bytes -= ids.numel() * self.page_bytes
         if self.poison_freed:
             pages_view = self.arena[: self.scratch_row].view(self.num_pages, self.page_rows, -1)
-            pages_view[ids.to(self.arena.device)] = float("nan")
+            pages_view[ids.to(self.arena.device)] = float("nan") if self.arena.is_floating_point() else 255
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:
         return self._is_free[pages.to("cpu", torch.int64)]

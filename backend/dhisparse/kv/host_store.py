@@ -106,8 +106,8 @@ class HostStore:
     def __init__(self, layout: KVLayout, page_rows: int, device: torch.device, poison_freed: bool = False,
                  host_bytes: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.page_rows = page_rows
-        self.row_dim = layout.row_dim
-        self.dtype = layout.dtype
+        self.row_dim = layout.storage_dim
+        self.dtype = layout.storage_dtype
         self.pinned = device.type == "cuda"
         self.poison_freed = poison_freed
         page_bytes = page_rows * layout.row_bytes
@@ -141,7 +141,7 @@ class HostStore:
             heapq.heappush(self._free, p)
         if self.poison_freed and ids:
             rows = (torch.tensor(ids).unsqueeze(1) * self.page_rows + torch.arange(self.page_rows)).reshape(-1)
-            self.rows.fill_rows_(rows, float("nan"))
+            self.rows.fill_rows_(rows, float("nan") if self.dtype.is_floating_point else 255)
 
     def rows_of(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Host row index of each position given the request's host page ids (same leading shape)."""

@@ -223,7 +223,7 @@ class KVManager:
                 raise ValueError(f"import_prompt: index_keys[{layer}] must be [{req.prompt_len}, "
                                  f"{self.layout.index_key_dim}], got {list(keys.shape)}")
             req.index_keys[layer][: req.prompt_len] = keys.to(self.device, self.layout.dtype)
-        rows = rows.to(dtype=self.layout.dtype)
+        rows = self.layout.encode(rows)
         residency.import_prompt_rows(req, rows, self.config.policy, self.pool, self.host, self.copies)
         req.imported = True
         self.check_budget()

@@ -104,7 +104,7 @@ class StepKV:
         source = m.layout.source_of_layer[layer]
         dst = self.new_rows[:, source, :].reshape(-1)
         self._flag(FLAG_UNMAPPED, (dst < 0).any(), RuntimeError)
-        m.pool.arena.index_copy_(0, dst.clamp(min=0), rows.reshape(-1, rows.shape[-1]).to(m.pool.arena.dtype))
+        m.pool.arena.index_copy_(0, dst.clamp(min=0), m.layout.encode(rows.reshape(-1, rows.shape[-1])))
         if layer in m.indexer_layers:
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
@@ -152,7 +152,7 @@ class StepKV:
             assert entry is not None
         m.copies.wait(entry.ticket)
         loc = entry.resolution.locations.view_as(positions)
-        rows = m.pool.arena[loc.clamp(min=0)]
+        rows = m.layout.decode(m.pool.arena[loc.clamp(min=0)])
         return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
 
     def _lookup(self, source: int, positions: torch.Tensor) -> _Resolved | None:
