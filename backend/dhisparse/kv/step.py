@@ -87,6 +87,7 @@ class StepKV:
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
         self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
+        self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
         self._resolved: dict[int, _Resolved] = {}
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
@@ -103,14 +104,14 @@ class StepKV:
                              f"got {list(rows.shape)}")
         source = m.layout.source_of_layer[layer]
         dst = self.new_rows[:, source, :].reshape(-1)
-        self._flag(FLAG_UNMAPPED, (dst < 0).any(), RuntimeError)
         m.pool.arena.index_copy_(0, dst.clamp(min=0), m.layout.encode(rows.reshape(-1, rows.shape[-1])))
         if layer in m.indexer_layers:
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
                                  "are required for a layer with an indexer")
-            for b, r in enumerate(self.requests):
-                r.index_keys[layer][r.length : r.length + q] = index_keys[b].to(m.layout.dtype)
+            # One batched copy into every request's key tensor (views of the new positions).
+            torch._foreach_copy_([r.index_keys[layer][r.length : r.length + q] for r in self.requests],
+                                 list(index_keys.to(m.layout.dtype).unbind(0)))
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
@@ -122,12 +123,11 @@ class StepKV:
         if layer not in m.indexer_layers:
             raise ValueError(f"layer {layer} has no indexer")
         stop = self.max_length if stop is None else stop
-        out = torch.zeros(len(self.requests), stop - start, m.layout.index_key_dim, dtype=m.layout.dtype,
-                          device=m.device)
-        for b, r in enumerate(self.requests):
-            n = min(r.length + self.query_len, stop) - start
-            if n > 0:
-                out[b, :n] = r.index_keys[layer][start:start + n]
+        # Each request's keys up to its length (views), padded with zeros in one call.
+        parts = [r.index_keys[layer][start:max(start, min(r.length + self.query_len, stop))] for r in self.requests]
+        out = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
+        if out.shape[1] < stop - start:
+            out = torch.nn.functional.pad(out, (0, 0, 0, stop - start - out.shape[1]))
         return out
 
     # ------------------------------------------------------------------------------------------ gather
