@@ -32,7 +32,7 @@ def test_glm_and_deepseek_rows_are_656_bytes_and_round_trip_within_fp8_precision
 
 def test_every_policy_gives_the_tokens_of_fully_resident_fp8(tiny_engine) -> None:
     engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
-    prompts = random_prompts([23, 50, 97], 96, seed=7)
+    prompts = random_prompts([50, 97], 96, seed=7)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     resident = LLM(engine_dir, kv_policy="resident", kv_dtype="fp8", page_rows=4)
     assert resident.engine.kv.layout.row_bytes == 32 + 4 + 2 * 8  # tiny model: latent 32, rope 8

@@ -116,21 +116,30 @@ class HostStore:
         chunk_pages = max(1, min(self.num_pages, chunk_bytes // page_bytes))
         self.rows = ChunkedRows(self.num_pages * page_rows, chunk_pages * page_rows, self.row_dim, self.dtype,
                                 self.pinned)
-        self._free: list[int] = list(range(self.num_pages))  # a heap (sorted already)
+        # Free pages: the freed ids (a heap, all below the frontier) and every id from the frontier up (never used),
+        # so a large store costs nothing until it is used.
+        self._freed: list[int] = []
+        self._frontier = 0
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self._frontier - len(self._freed)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self.num_pages - self.used_pages
+
+    def _take(self) -> int:
+        if self._freed:
+            return heapq.heappop(self._freed)
+        self._frontier += 1
+        return self._frontier - 1
 
     def allocate(self, count: int) -> torch.Tensor | None:
         """Take ``count`` pages (lowest ids first) as int64 page ids on CPU, or ``None`` if fewer are free."""
-        if count > len(self._free):
+        if count > self.free_pages:
             return None
-        ids = [heapq.heappop(self._free) for _ in range(count)]
+        ids = [self._take() for _ in range(count)]
         if ids:
             self.rows.ensure((max(ids) + 1) * self.page_rows)
         return torch.tensor(ids, dtype=torch.int64)
@@ -138,7 +147,7 @@ class HostStore:
     def free(self, pages: torch.Tensor) -> None:
         ids = pages.flatten().tolist()
         for p in ids:
-            heapq.heappush(self._free, p)
+            heapq.heappush(self._freed, p)
         if self.poison_freed and ids:
             rows = (torch.tensor(ids).unsqueeze(1) * self.page_rows + torch.arange(self.page_rows)).reshape(-1)
             self.rows.fill_rows_(rows, float("nan") if self.dtype.is_floating_point else 255)
