@@ -42,3 +42,40 @@ def test_a_step_reads_the_host_once_whatever_the_layers_and_requests(layers, bat
         rows_host = m.stats()["kv_rows_host"]
     assert per_step == {1} and rows_host > 0
     d.drain()
+
+
+
+@pytest.mark.parametrize("policy", ["resident", "adaptive"])
+def test_all_direct_steps_resolve_like_the_full_resolver(policy, monkeypatch) -> None:
+    """Steps whose whole history is direct skip to a page-table lookup: same rows (checked by the driver), same
+    counts and hot-cache state as the three-step resolver."""
+    from dhisparse.kv import step as step_module
+
+    def run(fast: bool) -> tuple[dict[str, float], int, list[torch.Tensor]]:
+        if not fast:
+            monkeypatch.setattr(step_module, "_history_direct", lambda req: False)
+        m = make_manager(make_layout("glm"), policy, 1 << 22, hot_rows=12, max_query_len=3)
+        seen: list[bool] = []
+        begin = m.begin_step
+
+        def recording_begin(ids, q):
+            step = begin(ids, q)
+            seen.append(step.all_direct)
+            return step
+        m.begin_step = recording_begin
+        d = KVDriver(m, seed=5)
+        for i in range(3):
+            assert d.submit(f"r{i}", 9 + 3 * i, 10)
+        for _ in range(5):
+            d.step(d.steppable(), 2)
+            d.poll()
+        stats = m.stats()
+        monkeypatch.undo()
+        names = ("kv_rows_direct", "kv_rows_hot", "kv_rows_host", "kv_resolver_calls")
+        return {k: stats[k] for k in names}, sum(seen), [r.hot_pos.clone() for r in m.requests.values()]
+
+    fast, fast_steps, fast_hot = run(True)
+    full, full_steps, full_hot = run(False)
+    assert fast == full and fast["kv_rows_direct"] > 0
+    assert fast_steps > 0 and full_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(fast_hot, full_hot, strict=True))

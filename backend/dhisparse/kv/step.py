@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dhisparse.kv.copies import CopyTicket
-from dhisparse.kv.request_state import RequestKV
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, resolve
+from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
+from dhisparse.kv.resolver import HotCacheOverflowError, resolve
 
 if TYPE_CHECKING:
     from dhisparse.kv.manager import KVManager
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 @dataclass
 class _Resolved:
     positions: torch.Tensor  # [B, X, K] as passed by the model
-    resolution: Resolution
+    locations: torch.Tensor  # [B, X*K] arena row of every entry (-1 where unused)
     ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
 
 # Error flags accumulated on the device during a step (read once, see ``report``).
@@ -44,6 +44,16 @@ _FLAG_MESSAGES = (
     "raise hot_rows (B) to at least the number of distinct rows one step can select",
     "tail page of a new row is not mapped (begin_step broke its contract)",
 )
+
+
+def _history_direct(req: RequestKV) -> bool:
+    """Whether every page before the tail is a mapped optional page (host-side state only)."""
+    if req.tail_first == 0:
+        return True
+    if req.prompt_pages < req.tail_first:
+        return False
+    state = req.opt_state[:, : req.tail_first]
+    return bool(((state == OPT_READY) | (state == OPT_BACKING_UP)).all())
 
 
 class StepKV:
@@ -88,6 +98,9 @@ class StepKV:
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
         self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
         self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
+        # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
+        # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
+        self.all_direct = all(_history_direct(r) for r in requests)
         self._resolved: dict[int, _Resolved] = {}
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
@@ -151,7 +164,7 @@ class StepKV:
             entry = self._lookup(source, positions)
             assert entry is not None
         m.copies.wait(entry.ticket)
-        loc = entry.resolution.locations.view_as(positions)
+        loc = entry.locations.view_as(positions)
         rows = m.layout.decode(m.pool.arena[loc.clamp(min=0)])
         return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
 
@@ -167,6 +180,9 @@ class StepKV:
     def _resolve(self, source: int, positions: torch.Tensor) -> None:
         m = self._m
         flat = positions.reshape(len(self.requests), -1)
+        if self.all_direct:
+            self._resolve_direct(source, positions, flat)
+            return
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
                       self.hot_loc[:, source], self.stamp, m.pool.page_rows, on_device=True)
         self.resolver_calls += 1
@@ -186,7 +202,24 @@ class StepKV:
             assert res.fetch_location is not None
             dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
             ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
-        self._resolved[source] = _Resolved(positions, res, ticket)
+        self._resolved[source] = _Resolved(positions, res.locations, ticket)
+
+    def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor) -> None:
+        """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
+        host at ``begin_step``): the same locations and counts as :func:`resolve`, which would find every
+        position direct and leave the hot cache untouched."""
+        page_rows = self._m.pool.page_rows
+        table = self.page_table[:, source]
+        valid = flat >= 0
+        safe = flat.clamp(min=0)
+        page = table.gather(1, (safe // page_rows).clamp(max=table.shape[1] - 1))
+        self._flag(FLAG_UNMAPPED, (valid & (page < 0)).any(), RuntimeError)
+        locations = torch.where(valid, page * page_rows + safe % page_rows, -1)
+        ordered = torch.sort(torch.where(valid, flat, -1), dim=1).values  # unused entries first
+        previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
+        self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
+        self.resolver_calls += 1
+        self._resolved[source] = _Resolved(positions, locations, None)
 
     def _flag(self, flag: int, broken: torch.Tensor, error: type[Exception]) -> None:
         """Record a check on the device; in debug mode read and raise it now (one counted read per check)."""
