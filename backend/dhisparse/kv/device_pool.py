@@ -17,8 +17,9 @@ class DevicePool:
     """Device arena of ``num_pages * page_rows`` rows and the byte accounting of everything on device.
 
     Contract:
-        - ``arena`` is ``[num_pages * page_rows, row_dim]`` of the model dtype; a *location* is a row index
-          into it, page ``p`` is rows ``p*page_rows .. (p+1)*page_rows - 1``.
+        - ``arena`` is ``[num_pages * page_rows + 1, storage_dim]`` of the layout's storage dtype (the model
+          dtype, or ``uint8`` bytes for FP8 rows); a *location* is a row index into it, page ``p`` is rows
+          ``p*page_rows .. (p+1)*page_rows - 1``.
         - ``allocate`` hands out the lowest free page ids (deterministic); ``free`` returns them. Freed pages
           are overwritten with NaN when ``poison_freed`` (tests), so a read of a freed page is visible.
         - ``required_bytes`` (hot caches, tail rings, metadata, indexer keys of admitted requests) and
