@@ -54,7 +54,9 @@ def run(engine: Path, prompts: list[list[int]], max_tokens: int, **overrides) ->
         "ttft_ms": 1000 * statistics.mean(o.stats["ttft_s"] for o in outs),
         "tokens_per_verify_step": stats.get("tokens_per_verify_step", 1.0),
         "acceptance": stats.get("draft_acceptance_rate", 0.0),
-        "spec_bytes": stats.get("spec_ring_bytes_per_request", 0.0) + stats.get("spec_staging_bytes_per_request", 0.0),
+        # draft ring + verification staging, from the footprint admission reserves (dense: the ring only)
+        "spec_bytes": float(llm.engine.kv.footprint(len(prompts[0]), max_tokens).speculative_bytes)
+        if hasattr(llm.engine.kv, "footprint") else stats.get("spec_ring_bytes_per_request", 0.0),
         "required_bytes": float(llm.engine.kv.required_bytes(len(prompts[0]), max_tokens)),
         "tokens": [o.token_ids for o in outs],
     }

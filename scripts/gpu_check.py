@@ -1,93 +1,51 @@
-"""GPU check of the native kernels against pure-torch references (needs an NVIDIA GPU; sm_80 or sm_90).
+"""One prepared end-to-end GPU check of the CUDA kernels in the request path (budget: < 8 minutes on one H200).
 
-Builds the native tree (``scripts/setup_native.sh``) unless ``--no-build``, loads ``libdhisparse_cuda.so``
-through ctypes and, on random inputs of irregular sizes:
+1. Builds the native tree with the project's CMake (``scripts/setup_native.sh``) unless ``--no-build``.
+2. Kernels against the torch reference on random irregular inputs: the engine's start-up self-check over
+   several seeds, the resolver with int32 indices (the TensorRT plugin's layout), attention over 656-byte FP8
+   rows (``dhisparse.kernels.reference``).
+3. Microbenchmarks (CUDA events, medians): host→device gather bandwidth for batch 1…128 (copy grid 4→32
+   blocks), resolver and sparse MLA decode microseconds at GLM-5 sizes (N = 2048, B = 4096, H = 64, K = 2048).
+4. The engine end to end on the GPU (``kernels="cuda"``) against the CPU run (``device="cpu"``), greedy tokens
+   compared: the demo model for every KV policy without speculation and with both drafters; a synthetic
+   GLM-5-shaped layer stack at real attention dimensions (random weights, a few layers, a 32K history) for
+   every policy. The CPU run is made once per model and speculation setting (the CPU tokens of every policy
+   are identical, tests/kv). Host synchronisations per step are counted with
+   ``torch.cuda.set_sync_debug_mode`` (it sees tensor reads such as ``.item()`` / ``.cpu()`` / ``nonzero``,
+   not ``Event.synchronize``).
+5. Writes ``gpu_check.json`` and ``gpu_check.md`` (``--out``, default ``docs/results/gpu_check``).
 
-* the resolver kernel against ``dhisparse.kv.resolver.resolve`` (every output, int32 and int64 indices),
-* the host->device gather copy against indexing of the pinned host tensor,
-* sparse MLA decode (fp32, bf16 and the 656-byte FP8 row) against :func:`sparse_mla_reference`,
+Without a GPU it prints "nothing was run: no GPU" and exits 0. Every part records its own failure and the
+script goes on, so one run reports everything; the exit status is 1 if anything failed.
 
-then prints copy bandwidth (GB/s) and resolver / attention times (median of CUDA-event timings) at batch
-1, 2, 4, ..., 128. Without a GPU it says so and exits with status 2: nothing here runs on CPU machines.
-
-Usage: ``python scripts/gpu_check.py [--no-build] [--quick]``
+Usage: ``python scripts/gpu_check.py [--no-build] [--quick] [--out DIR] [--stack-history 32768]``
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
+import json
 import subprocess
 import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
+sys.path.insert(0, str(ROOT / "engine_builder"))
 
-from dhisparse.kv.resolver import resolve  # noqa: E402 (after the sys.path set-up above)
-
-LIB = ROOT / "build" / "native" / "plugins" / "libdhisparse_cuda.so"
-FP8_RANK, FP8_ROPE, FP8_ROW_BYTES = 512, 64, 656
-KV_FORMATS = {"fp32": 0, "bf16": 1, "fp8": 2}
+BUDGET_S = 7 * 60  # leave a minute of the 8 for start-up and writing
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
-def decode_fp8_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``[n, 656]`` uint8 DeepSeek-V3.2 rows -> ``[n, 576]`` float32 (latent * per-128 scale, then rope)."""
-    latent = rows[:, :FP8_RANK].contiguous().view(torch.float8_e4m3fn).float()
-    scales = rows[:, FP8_RANK : FP8_RANK + 16].contiguous().view(torch.float32)
-    rope = rows[:, FP8_RANK + 16 :].contiguous().view(torch.bfloat16).float()
-    return torch.cat([latent * scales.repeat_interleave(128, dim=1), rope], dim=1)
-
-
-def encode_fp8_rows(values: torch.Tensor) -> torch.Tensor:
-    """``[n, 576]`` float -> ``[n, 656]`` uint8 rows (scale = amax / 448 per 128 latent values)."""
-    latent = values[:, :FP8_RANK].float().view(-1, 4, 128)
-    scales = (latent.abs().amax(dim=2) / 448.0).clamp(min=1e-12)
-    quant = (latent / scales[..., None]).to(torch.float8_e4m3fn).view(-1, FP8_RANK)
-    rope = values[:, FP8_RANK:].to(torch.bfloat16)
-    return torch.cat(
-        [quant.view(torch.uint8), scales.contiguous().view(torch.uint8), rope.contiguous().view(torch.uint8)],
-        dim=1,
-    )
-
-
-def sparse_mla_reference(
-    q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locations: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Absorbed sparse MLA decode in float32.
-
-    Args:
-        q_lat: ``[B, Q, H, rank]``; q_pe: ``[B, Q, H, rope]``.
-        kv: ``[rows, rank + rope]`` values (already decoded to float).
-        locations: ``[B, Q, K]`` int, ``-1`` = masked.
-        scale: softmax scale.
-
-    Returns:
-        ``[B, Q, H, rank]`` float32; zeros for a query whose locations are all ``-1``.
-    """
-    rank = q_lat.shape[-1]
-    rows = kv.float()[locations.clamp(min=0).long()]  # [B, Q, K, rank + rope]
-    q = torch.cat([q_lat.float(), q_pe.float()], dim=-1)  # [B, Q, H, rank + rope]
-    scores = torch.einsum("bqhd,bqkd->bqhk", q, rows) * scale
-    scores = scores.masked_fill((locations < 0)[:, :, None, :], float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    return torch.einsum("bqhk,bqkd->bqhd", probs, rows[..., :rank])
-
-
-def load_library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(LIB))
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    lib.dhs_cuda_resolver_workspace_bytes.restype = ctypes.c_size_t
-    lib.dhs_cuda_resolver_workspace_bytes.argtypes = [i64, i64, i64]
-    lib.dhs_cuda_resolve.argtypes = [i64] * 5 + [i32] + [ptr] * 16
-    lib.dhs_cuda_row_copy.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i32, ptr]
-    lib.dhs_cuda_sparse_mla.argtypes = [i64] * 4 + [i32] * 5 + [ctypes.c_float] + [ptr] * 6
-    return lib
-
-
-def _time_ms(fn, repeats: int = 20) -> float:
+def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
     """Median CUDA-event time of ``fn`` in milliseconds (after one warm-up)."""
     fn()
     times = []
@@ -101,201 +59,263 @@ def _time_ms(fn, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def random_resolver_case(g: torch.Generator, requests: int, n: int, pages: int, page_rows: int, slots: int):
-    ready = torch.rand(requests, pages, generator=g) < 0.5
-    page_table = torch.where(ready, torch.randperm(requests * pages, generator=g).view(requests, pages), -1)
-    positions = torch.randint(0, pages * page_rows, (requests, n), generator=g)
-    positions[torch.rand(requests, n, generator=g) < 0.1] = -1
-    hot_pos = torch.full((requests, slots), -1, dtype=torch.int64)
-    filled = torch.randperm(pages * page_rows, generator=g)[: slots // 2]
-    hot_pos[:, : filled.numel()] = filled
-    hot_stamp = torch.randint(0, 5, (requests, slots), generator=g)
-    hot_loc = 10**6 + torch.arange(requests * slots).view(requests, slots)
-    return positions, page_table, hot_pos, hot_stamp, hot_loc
+# --------------------------------------------------------------------------------------------- kernels
+def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]:
+    from dhisparse.kernels.reference import decode_fp8_rows, encode_fp8_rows, sparse_mla_reference
+    from dhisparse.kernels.self_check import (
+        compare_attention,
+        compare_resolutions,
+        failures,
+        resolver_case,
+        run_self_check,
+    )
+    from dhisparse.kv.resolver import resolve
 
-
-def run_resolver(
-    lib: ctypes.CDLL, case, stamp: int, page_rows: int, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    positions, page_table, hot_pos, hot_stamp, hot_loc = (t.to("cuda", dtype) for t in case)
-    r, n = positions.shape
-    b = hot_pos.shape[1]
-    out = {
-        "locations": torch.empty_like(positions),
-        "steps": torch.empty(r, n, dtype=torch.int8, device="cuda"),
-        "hot_pos": torch.empty_like(hot_pos),
-        "hot_stamp": torch.empty_like(hot_stamp),
-        "copy_position": torch.empty_like(positions),
-        "copy_slot": torch.empty_like(positions),
-        "copy_location": torch.empty_like(positions),
-        "summary": torch.empty(r, 6, dtype=torch.int32, device="cuda"),
-    }
-    workspace = torch.empty(lib.dhs_cuda_resolver_workspace_bytes(r, n, b), dtype=torch.uint8, device="cuda")
-    stamp_t = torch.tensor([stamp], dtype=dtype, device="cuda")
-
-    def launch() -> None:
-        rc = lib.dhs_cuda_resolve(
-            r, n, page_table.shape[1], b, page_rows, positions.element_size(), stamp_t.data_ptr(),
-            positions.data_ptr(), page_table.data_ptr(), hot_pos.data_ptr(), hot_stamp.data_ptr(),
-            hot_loc.data_ptr(), out["locations"].data_ptr(), out["steps"].data_ptr(), out["hot_pos"].data_ptr(),
-            out["hot_stamp"].data_ptr(), out["copy_position"].data_ptr(), out["copy_slot"].data_ptr(),
-            out["copy_location"].data_ptr(), out["summary"].data_ptr(), workspace.data_ptr(),
-            torch.cuda.current_stream().cuda_stream,
-        )  # fmt: skip
-        assert rc == 0, f"resolver launch failed: cudaError {rc}"
-
-    launch()
-    torch.cuda.synchronize()
-    out["launch"] = launch  # type: ignore[assignment]
+    out: dict[str, Any] = {}
+    results = [r for seed in range(seeds) for r in run_self_check(kernels, dev, seed)]
+    out["self_check_cases"] = len(results)
+    out["self_check_failures"] = failures(results)
+    g = torch.Generator().manual_seed(100)
+    bad = []
+    for trial in range(6):  # int32 indices: the TensorRT plugin's layout
+        r, n = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 700, (1,), generator=g))
+        pages, page_rows = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 65, (1,), generator=g))
+        case = resolver_case(g, r, n, pages, page_rows, n + int(torch.randint(0, 300, (1,), generator=g)))
+        want = resolve(*case, stamp=7, page_rows=page_rows)
+        got = kernels.resolve(*(t.to(dev, torch.int32) for t in case), stamp=7, page_rows=page_rows)
+        mismatch = compare_resolutions(got, want)
+        if mismatch:
+            bad.append(f"int32 trial {trial}: {mismatch}")
+    out["resolver_int32_failures"] = "; ".join(bad) or None
+    bad = []
+    for qdtype in (torch.bfloat16, torch.float32):  # 656-byte FP8 rows
+        b, q, h, k, rows = 3, 2, 7, 333, 5000
+        values = torch.randn(rows, 576, generator=g)
+        kv = encode_fp8_rows(values)
+        q_lat = torch.randn(b, q, h, 512, generator=g).to(qdtype)
+        q_pe = torch.randn(b, q, h, 64, generator=g).to(qdtype)
+        loc = torch.randint(0, rows, (b, q, k), generator=g)
+        loc[torch.rand(b, q, k, generator=g) < 0.15] = -1
+        want = sparse_mla_reference(q_lat, q_pe, decode_fp8_rows(kv), loc, 576**-0.5)
+        got = kernels.sparse_mla(q_lat.to(dev), q_pe.to(dev), kv.to(dev), loc.to(dev), 576**-0.5, kv_format=2)
+        mismatch = compare_attention(got, want, 2e-2 if qdtype == torch.bfloat16 else 1e-4)
+        if mismatch:
+            bad.append(f"fp8 rows, q {qdtype}: {mismatch}")
+    out["sparse_mla_fp8_failures"] = "; ".join(bad) or None
     return out
 
 
-def check_resolver(lib: ctypes.CDLL, g: torch.Generator) -> None:
-    for trial in range(12):
-        requests, n = (
-            int(torch.randint(1, 9, (1,), generator=g)),
-            int(torch.randint(1, 700, (1,), generator=g)),
-        )
-        page_rows, pages = (
-            int(torch.randint(1, 65, (1,), generator=g)),
-            int(torch.randint(1, 40, (1,), generator=g)),
-        )
-        slots = n + int(torch.randint(0, 300, (1,), generator=g))
-        case = random_resolver_case(g, requests, n, pages, page_rows, slots)
-        expected = resolve(*case, stamp=7, page_rows=page_rows)
-        for dtype in (torch.int64, torch.int32):
-            got = run_resolver(lib, case, 7, page_rows, dtype)
-            for name in ("locations", "steps", "hot_pos", "hot_stamp"):
-                assert torch.equal(got[name].cpu().long(), getattr(expected, name).long()), (
-                    trial,
-                    dtype,
-                    name,
-                )
-            valid = got["copy_position"] >= 0
-            assert torch.equal(got["copy_position"][valid].cpu().long(), expected.copy_position)
-            assert torch.equal(got["copy_slot"][valid].cpu().long(), expected.copy_slot)
-            assert torch.equal(got["copy_location"][valid].cpu().long(), expected.copy_location)
-            assert torch.equal(got["summary"][:, 3:].cpu().long(), expected.counts)
-    print("resolver kernel == dhisparse.kv.resolver.resolve on 12 random irregular cases (int32 and int64)")
+def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[dict[str, Any]]:
+    from dhisparse import native
+    from dhisparse.kernels.self_check import resolver_case
+
+    g = torch.Generator().manual_seed(1)
+    host = torch.randint(0, 256, (400_000, 656), dtype=torch.uint8, generator=g).pin_memory()
+    arena = torch.zeros(200_000, 656, dtype=torch.uint8, device=dev)
+    kv = torch.randn(200_000, 576, device=dev).to(torch.bfloat16)
+    rows = []
+    for batch in batches:
+        per = 100  # misses per request and step
+        src = torch.randint(0, host.shape[0], (batch, per), generator=g).to(dev)
+        dst = torch.randperm(arena.shape[0], generator=g)[: batch * per].view(batch, per).to(dev)
+        copy_ms = median_ms(lambda src=src, dst=dst: kernels.copy_rows(host, arena, src, dst))
+        q_lat = torch.randn(batch, 1, 64, 512, device=dev).to(torch.bfloat16)
+        q_pe = torch.randn(batch, 1, 64, 64, device=dev).to(torch.bfloat16)
+        loc = torch.randint(0, kv.shape[0], (batch, 1, 2048), device=dev)
+        attn_ms = median_ms(lambda q_lat=q_lat, q_pe=q_pe, loc=loc: kernels.sparse_mla(q_lat, q_pe, kv, loc, 0.04))
+        case = [t.to(dev) for t in resolver_case(g, batch, 2048, 512, 64, 4096)]
+        resolve_ms = median_ms(lambda case=case: kernels.resolve_padded(*case, 9, 64))
+        rows.append({
+            "batch": batch, "copy_blocks": native.copy_grid_blocks(batch) if native.available() else None,
+            "copy_us": copy_ms * 1e3, "copy_gb_s": batch * per * 656 / copy_ms / 1e6,
+            "resolver_us": resolve_ms * 1e3, "attention_bf16_us": attn_ms * 1e3,
+        })
+    return rows
 
 
-def check_row_copy(lib: ctypes.CDLL, g: torch.Generator, quick: bool) -> None:
-    host = torch.randint(0, 256, (20000, FP8_ROW_BYTES), dtype=torch.uint8, generator=g).pin_memory()
-    arena = torch.zeros(30000, FP8_ROW_BYTES, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.current_stream().cuda_stream
-    for requests, per in ((3, 17), (50, 33), (128, 5)):
-        src = torch.randint(0, host.shape[0], (requests, per), generator=g)
-        src[torch.rand(requests, per, generator=g) < 0.2] = -1
-        dst = torch.randperm(arena.shape[0], generator=g)[: requests * per].view(requests, per)
-        src_d, dst_d = src.cuda(), dst.cuda()
-        arena.zero_()
-        rc = lib.dhs_cuda_row_copy(host.data_ptr(), arena.data_ptr(), FP8_ROW_BYTES, src_d.data_ptr(),
-                                   dst_d.data_ptr(), requests, per, 8, stream)  # fmt: skip
-        assert rc == 0
+# --------------------------------------------------------------------------------------------- engine
+def run_engine(engine_dir: Path, prompts: list[list[int]], max_tokens: int, count_syncs: bool, **options: Any
+               ) -> dict[str, Any]:
+    from dhisparse import LLM, SamplingParams
+
+    llm = LLM(engine_dir, **options)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    syncs = 0
+    if count_syncs:
         torch.cuda.synchronize()
-        keep = src >= 0
-        assert torch.equal(arena[dst[keep].cuda()].cpu(), host[src[keep]])
-    print("row copy == host[src] on irregular batches; bandwidth (656-byte rows, 100 misses per request):")
-    for batch in [1, 2, 4, 8, 16, 32, 64, 128][: 4 if quick else None]:
-        per = 100
-        src = torch.randint(0, host.shape[0], (batch, per), generator=g).cuda()
-        dst = torch.randperm(arena.shape[0], generator=g)[: batch * per].view(batch, per).cuda()
-        args = (
-            host.data_ptr(),
-            arena.data_ptr(),
-            FP8_ROW_BYTES,
-            src.data_ptr(),
-            dst.data_ptr(),
-            batch,
-            per,
-            8,
-            stream,
-        )
-        ms = _time_ms(lambda args=args: lib.dhs_cuda_row_copy(*args))
-        blocks = min(32, max(4, -(-batch // 4)))
-        print(
-            f"  batch {batch:4d}: {blocks:2d} blocks, {ms * 1e3:8.1f} us, "
-            f"{batch * per * FP8_ROW_BYTES / ms / 1e6:6.2f} GB/s"
-        )
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outs = llm.generate(prompts, params)
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        outs = llm.generate(prompts, params)
+    stats = llm.stats()
+    steps = stats.get("decode_steps", 0.0) + stats.get("verify_steps", 0.0)
+    return {"tokens": [o.token_ids for o in outs], "seconds": time.perf_counter() - start,
+            "kernels": "cuda" if stats.get("kv_kernels_cuda") else "torch", "steps": steps,
+            "syncs_per_step": syncs / steps if steps else None, "rows_host": stats.get("kv_rows_host")}
 
 
-def check_sparse_mla(lib: ctypes.CDLL, g: torch.Generator, quick: bool) -> None:
-    stream = torch.cuda.current_stream().cuda_stream
+def compare_runs(name: str, engine_dir: Path, prompts: list[list[int]], max_tokens: int,
+                 configs: list[dict[str, Any]], deadline: float) -> list[dict[str, Any]]:
+    rows = []
+    cpu_runs: dict[object, dict[str, Any]] = {}  # CPU tokens are the same under every policy (tests/kv)
+    for cfg in configs:
+        label = {k: v for k, v in cfg.items() if k not in ("pool_bytes", "hot_rows", "page_rows")}
+        if time.monotonic() > deadline:
+            rows.append({"model": name, **label, "status": "skipped: time budget"})
+            continue
+        try:
+            key = cfg.get("speculative")
+            if key not in cpu_runs:
+                cpu_runs[key] = run_engine(engine_dir, prompts, max_tokens, False, device="cpu", kernels="torch",
+                                           **cfg)
+            cpu = cpu_runs[key]
+            gpu = run_engine(engine_dir, prompts, max_tokens, True, device="cuda", kernels="cuda", **cfg)
+            same = cpu["tokens"] == gpu["tokens"]
+            first = next((i for i, (a, b) in enumerate(zip(cpu["tokens"], gpu["tokens"], strict=True)) if a != b), None)
+            rows.append({"model": name, **label, "status": "identical" if same else f"DIFFERENT (request {first})",
+                         "gpu_kernels": gpu["kernels"], "gpu_s": gpu["seconds"], "cpu_s": cpu["seconds"],
+                         "syncs_per_step": gpu["syncs_per_step"], "rows_host": gpu["rows_host"]})
+        except Exception as exc:
+            rows.append({"model": name, **label, "status": f"ERROR {type(exc).__name__}: {exc}",
+                         "trace": traceback.format_exc(limit=6)})
+        print(f"  {rows[-1]['model']} {label}: {rows[-1]['status']}", flush=True)
+    return rows
 
-    def run(q_lat, q_pe, kv, locations, fmt: str, scale: float) -> tuple[torch.Tensor, object]:
-        b, q, h, rank = q_lat.shape
-        out = torch.empty_like(q_lat)
 
-        def launch() -> None:
-            rc = lib.dhs_cuda_sparse_mla(
-                b, q, h, locations.shape[-1], rank, q_pe.shape[-1], KV_FORMATS[fmt], int(q_lat.dtype == torch.bfloat16),
-                locations.element_size(), scale, q_lat.data_ptr(), q_pe.data_ptr(), kv.data_ptr(),
-                locations.data_ptr(), out.data_ptr(), stream,
-            )  # fmt: skip
-            assert rc == 0, f"sparse MLA launch failed: cudaError {rc}"
+def build_demo_engine(work: Path) -> Path:
+    from dhisparse_builder import BuildOptions, build_engine
 
-        launch()
-        torch.cuda.synchronize()
-        return out, launch
+    models = ROOT / "models" / "demo"
+    out = work / "demo-engine"
+    build_engine(BuildOptions(models / "target", out, {"dtype": "float32"},
+                              drafters=(models / "dflash2", models / "dspark")), progress=lambda d, t: None)
+    return out
 
-    for fmt, qdtype, rank, rope in (("fp32", torch.float32, 96, 32), ("bf16", torch.bfloat16, 512, 64),
-                                    ("fp8", torch.bfloat16, 512, 64), ("fp8", torch.float32, 512, 64)):  # fmt: skip
-        b, q, h, k, rows = 3, 2, 7, 333, 5000
-        values = torch.randn(rows, rank + rope, generator=g)
-        if fmt == "fp8":
-            kv, kv_ref = encode_fp8_rows(values), decode_fp8_rows(encode_fp8_rows(values))
-        else:
-            kv = values.to(qdtype)
-            kv_ref = kv.float()
-        q_lat = torch.randn(b, q, h, rank, generator=g).to(qdtype)
-        q_pe = torch.randn(b, q, h, rope, generator=g).to(qdtype)
-        locations = torch.randint(0, rows, (b, q, k), generator=g)
-        locations[torch.rand(b, q, k, generator=g) < 0.15] = -1
-        locations[0, 1] = -1  # a fully masked query -> zeros
-        scale = (rank + rope) ** -0.5
-        expected = sparse_mla_reference(q_lat, q_pe, kv_ref, locations, scale)
-        for idx in (torch.int32, torch.int64):
-            got, _ = run(q_lat.cuda(), q_pe.cuda(), kv.cuda(), locations.to(idx).cuda(), fmt, scale)
-            tol = 2e-2 if qdtype == torch.bfloat16 else 1e-4
-            torch.testing.assert_close(got.float().cpu(), expected, atol=tol, rtol=tol)
-    print("sparse MLA == sparse_mla_reference (fp32, bf16, fp8 rows; irregular B, Q, H, K; masked entries)")
-    print(
-        "sparse MLA decode time (H=16, K=2048, rank 512 + rope 64, Q=1) and resolver time (N=2048, B=4096):"
+
+def build_glm5_stack(work: Path) -> Path:
+    """GLM-5 attention at real dimensions (hidden 6144, 64 heads, MLA 512 + 64, q_lora 2048, indexer 32 x 128,
+    top-k 2048), 3 layers (dense, then full / shared indexer), 4 routed experts and a vocabulary of 8192 so
+    that the CPU reference of a 32K history fits the time budget. Random weights."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    from dhisparse_builder import BuildOptions, build_engine
+
+    cfg = GlmMoeDsaConfig(
+        vocab_size=8192, hidden_size=6144, intermediate_size=4096, moe_intermediate_size=2048, num_hidden_layers=3,
+        num_attention_heads=64, num_key_value_heads=64, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64, v_head_dim=256,
+        qk_nope_head_dim=192, index_head_dim=128, index_n_heads=32, index_topk=2048, index_topk_pattern="FSS",
+        first_k_dense_replace=1, max_position_embeddings=40960, n_group=1, topk_group=1, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=None,
     )
-    rows = 200000
-    kv_by_fmt = {"bf16": torch.randn(rows, 576, device="cuda").to(torch.bfloat16),
-                 "fp8": encode_fp8_rows(torch.randn(rows, 576)).cuda()}  # fmt: skip
-    for batch in [1, 2, 4, 8, 16, 32, 64, 128][: 4 if quick else None]:
-        q_lat = torch.randn(batch, 1, 16, 512, device="cuda").to(torch.bfloat16)
-        q_pe = torch.randn(batch, 1, 16, 64, device="cuda").to(torch.bfloat16)
-        loc = torch.randint(0, rows, (batch, 1, 2048), device="cuda", dtype=torch.int32)
-        times = {fmt: _time_ms(run(q_lat, q_pe, kv, loc, fmt, 0.04)[1]) for fmt, kv in kv_by_fmt.items()}
-        case = random_resolver_case(g, batch, 2048, 64, 64, 4096)
-        resolver_ms = _time_ms(run_resolver(lib, case, 9, 64, torch.int32)["launch"])  # type: ignore[arg-type]
-        print(f"  batch {batch:4d}: attention bf16 {times['bf16'] * 1e3:8.1f} us, fp8 {times['fp8'] * 1e3:8.1f} us;"
-              f" resolver {resolver_ms * 1e3:8.1f} us")  # fmt: skip
+    torch.manual_seed(0)
+    ckpt = work / "glm5-stack-ckpt"
+    GlmMoeDsaForCausalLM(cfg).save_pretrained(ckpt)
+    out = work / "glm5-stack-engine"
+    build_engine(BuildOptions(ckpt, out, {"dtype": "float32"}), progress=lambda d, t: None)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- report
+def write_report(out_dir: Path, report: dict[str, Any]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    lines = [f"# GPU check — {report['device']}", "", f"Total {report['seconds']:.0f} s. Failures: "
+             f"{report['failures'] or 'none'}.", "", "## Kernels against the torch reference", ""]
+    for key, value in report.get("kernels", {}).items():
+        lines.append(f"- {key}: {value if value is not None else 'all equal'}")
+    lines += ["", "## Microbenchmarks (medians of CUDA-event timings)", "",
+              "| batch | copy blocks | gather copy µs | GB/s (656-byte rows, 100/request) "
+              "| resolver µs (N 2048, B 4096) | sparse MLA bf16 µs (H 64, K 2048) |", "|---|---|---|---|---|---|"]
+    for r in report.get("bench", []):
+        lines.append(f"| {r['batch']} | {r['copy_blocks']} | {r['copy_us']:.1f} | {r['copy_gb_s']:.2f} | "
+                     f"{r['resolver_us']:.1f} | {r['attention_bf16_us']:.1f} |")
+    lines += ["", "## Engine end to end: GPU (kernels=cuda) tokens vs the CPU run", "",
+              "| model | policy | speculative | tokens | GPU kernels | host syncs / step | host rows | GPU s | CPU s |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    def f(r: dict[str, Any], key: str, fmt: str = "{:.2f}") -> str:
+        return fmt.format(r[key]) if r.get(key) is not None else "–"
+
+    for r in report.get("engine", []):
+        lines.append(f"| {r['model']} | {r.get('kv_policy')} | {r.get('speculative') or '–'} | {r['status']} | "
+                     f"{r.get('gpu_kernels', '–')} | {f(r, 'syncs_per_step')} | {f(r, 'rows_host', '{:.0f}')} | "
+                     f"{f(r, 'gpu_s')} | {f(r, 'cpu_s')} |")
+    (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-build", action="store_true", help="use the existing build/native")
-    parser.add_argument("--quick", action="store_true", help="timings at batch 1..8 only")
+    parser.add_argument("--quick", action="store_true", help="fewer seeds and batches, demo model only")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "gpu_check")
+    parser.add_argument("--stack-history", type=int, default=32768, help="history tokens of the GLM-5 stack")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU visible to torch; nothing was run (the kernels only compile here)")
-        return 2
+        print("nothing was run: no GPU (torch sees no CUDA device; the kernels only compile here)")
+        return 0
+    start = time.monotonic()
+    deadline = start + BUDGET_S
     if not args.no_build:
-        subprocess.run([str(ROOT / "scripts" / "setup_native.sh")], check=True)
-    print(
-        f"device: {torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
-    )
-    lib = load_library()
-    g = torch.Generator().manual_seed(0)
-    check_resolver(lib, g)
-    check_row_copy(lib, g, args.quick)
-    check_sparse_mla(lib, g, args.quick)
-    print("gpu_check: all kernels agree with their references")
-    return 0
+        subprocess.run(["bash", str(ROOT / "scripts" / "setup_native.sh")], check=True)
+    from dhisparse.kernels import abi
+    from dhisparse.kernels.cuda_kernels import CudaKernels
+
+    dev = torch.device("cuda")
+    name = f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})"
+    print(f"device: {name}", flush=True)
+    report: dict[str, Any] = {"device": name, "failures": []}
+    lib = abi.cuda_library()
+    if lib is None:
+        print(f"gpu_check: {abi.cuda_library_path()} is not built", file=sys.stderr)
+        return 1
+    kernels = CudaKernels(lib, dev)
+    for part, fn in (("kernels", lambda: check_kernels(kernels, dev, 2 if args.quick else 6)),
+                     ("bench", lambda: bench_kernels(kernels, dev, BATCHES[:4] if args.quick else BATCHES))):
+        try:
+            report[part] = fn()
+            print(f"{part}: {json.dumps(report[part], default=str)[:2000]}", flush=True)
+        except Exception as exc:
+            report["failures"].append(f"{part}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+    for key in ("self_check_failures", "resolver_int32_failures", "sparse_mla_fp8_failures"):
+        if report.get("kernels", {}).get(key):
+            report["failures"].append(f"{key}: {report['kernels'][key]}")
+
+    report["engine"] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        try:
+            demo = build_demo_engine(work)
+            g = torch.Generator().manual_seed(5)
+            prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 517, 1029, 64)]
+            configs = [{"kv_policy": p, "speculative": s, "pool_bytes": 8_000_000}
+                       for p in ("resident", "hisparse", "adaptive") for s in (None, "dflash2", "dspark")]
+            report["engine"] += compare_runs("demo", demo, prompts, 24, configs, deadline)
+            if not args.quick:
+                stack = build_glm5_stack(work)
+                g = torch.Generator().manual_seed(6)
+                prompts = [torch.randint(0, 8192, (args.stack_history,), generator=g).tolist(),
+                           torch.randint(0, 8192, (args.stack_history // 3,), generator=g).tolist()]
+                configs = [{"kv_policy": p, "pool_bytes": 4 << 30, "hot_rows": 4096, "page_rows": 64}
+                           for p in ("resident", "hisparse", "adaptive")]
+                report["engine"] += compare_runs("glm5-stack", stack, prompts, 8, configs, deadline)
+        except Exception as exc:
+            report["failures"].append(f"engine: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+    report["failures"] += [f"{r['model']} {r.get('kv_policy')} {r.get('speculative')}: {r['status']}"
+                           for r in report["engine"] if r["status"] not in ("identical",)]
+    report["seconds"] = time.monotonic() - start
+    write_report(args.out, report)
+    print(f"gpu_check: wrote {args.out}/gpu_check.json and .md in {report['seconds']:.0f} s; "
+          f"{len(report['failures'])} failure(s)")
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ def __getattr__(name: str):  # lazy, so that importing a submodule does not buil
 
         return LLM
     if name == "SamplingParams":
-        from dhisparse.engine.sampling import SamplingParams
+        from dhisparse.sampling.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -20,7 +20,7 @@ import torch
 
 from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 _STATUS_HOT_CACHE_TOO_SMALL = 1
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
@@ -133,4 +133,5 @@ def resolve(
         copy_slot=copy_slot[copy_rows, copy_cols],
         copy_location=copy_location[copy_rows, copy_cols],
         counts=summary[:, 3:6].to(torch.int64),
+        staged=torch.zeros(num_requests, dtype=torch.int64),  # the native port has no staging overflow (yet)
     )

@@ -41,6 +41,13 @@ class GenerationOptions:
         top_k: 0 = off.  top_p: in (0, 1].  seed: random stream of this request.
         stop_words: strings that end generation (the output keeps the stop word).
         end_id: an extra token id that ends generation.
+        bad_words: strings that may never be generated.
+        repetition_penalty / presence_penalty / frequency_penalty: TensorRT-LLM's penalties (1 / 0 / 0 = off).
+        min_length: output length (the ending token included) before EOS or a stop word may end it.
+        embedding_bias: word -> weight added to the logits of the word's tokens.
+        num_return_sequences: independent samples of the prompt (each response names its `sequence_index`).
+        exclude_input_in_output: False: non-streaming text starts with the prompt (the server's default is True).
+        return_log_probs / return_perf_metrics / return_context_logits / return_generation_logits: extra outputs.
     """
 
     max_tokens: int = 64
@@ -50,19 +57,45 @@ class GenerationOptions:
     seed: int | None = None
     stop_words: tuple[str, ...] = field(default_factory=tuple)
     end_id: int | None = None
+    bad_words: tuple[str, ...] = field(default_factory=tuple)
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_length: int | None = None
+    embedding_bias: dict[str, float] = field(default_factory=dict)
+    num_return_sequences: int | None = None
+    exclude_input_in_output: bool | None = None
+    return_log_probs: bool = False
+    return_perf_metrics: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_words", tuple(self.stop_words))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "embedding_bias", dict(self.embedding_bias))
 
     def ensemble_fields(self) -> dict[str, object]:
         """Ensemble input name -> value for the options that are set."""
         out: dict[str, object] = {"max_tokens": self.max_tokens}
         for name, value in (("temperature", self.temperature), ("top_k", self.top_k), ("top_p", self.top_p),
-                            ("random_seed", self.seed), ("end_id", self.end_id)):
+                            ("random_seed", self.seed), ("end_id", self.end_id),
+                            ("repetition_penalty", self.repetition_penalty),
+                            ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),
+                            ("min_length", self.min_length), ("num_return_sequences", self.num_return_sequences),
+                            ("exclude_input_in_output", self.exclude_input_in_output)):
             if value is not None:
                 out[name] = value
         if self.stop_words:
             out["stop_words"] = list(self.stop_words)
+        if self.bad_words:
+            out["bad_words"] = list(self.bad_words)
+        if self.embedding_bias:
+            out["embedding_bias_words"] = list(self.embedding_bias)
+            out["embedding_bias_weights"] = list(self.embedding_bias.values())
+        for name in ("return_log_probs", "return_perf_metrics", "return_context_logits", "return_generation_logits"):
+            if getattr(self, name):
+                out[name] = True
         return out
 
 
@@ -78,7 +111,16 @@ _DTYPES = {"text_input": ("BYTES", object), "stop_words": ("BYTES", object),
            "repetition_penalty": ("FP32", np.float32), "presence_penalty": ("FP32", np.float32),
            "frequency_penalty": ("FP32", np.float32), "return_log_probs": ("BOOL", bool),
            "stop_words_list": ("INT32", np.int32), "bad_words_list": ("INT32", np.int32),
-           "cancel_request_id": ("BYTES", object)}
+           "cancel_request_id": ("BYTES", object), "num_return_sequences": ("INT32", np.int32),
+           "exclude_input_in_output": ("BOOL", bool), "return_perf_metrics": ("BOOL", bool),
+           "return_context_logits": ("BOOL", bool), "return_generation_logits": ("BOOL", bool),
+           "return_num_input_tokens": ("BOOL", bool), "return_num_output_tokens": ("BOOL", bool),
+           "embedding_bias_words": ("BYTES", object), "embedding_bias_weights": ("FP32", np.float32),
+           "embedding_bias": ("FP32", np.float32), "min_tokens": ("INT32", np.int32), "seed": ("UINT64", np.uint64),
+           "decoder_text_input": ("BYTES", object), "guided_decoding_guide_type": ("BYTES", object),
+           "guided_decoding_guide": ("BYTES", object), "lora_task_id": ("UINT64", np.uint64),
+           "prompt_vocab_size": ("INT32", np.int32), "prompt_table_extra_id": ("UINT64", np.uint64),
+           "lora_config": ("INT32", np.int32), "stop": ("BOOL", bool)}
 
 
 def _grpc_inputs(values: dict[str, object]) -> list:
@@ -145,6 +187,44 @@ class DHiSparseClient:
         finally:
             client.stop_stream(cancel_requests=not finished)  # leaving early cancels the request
             client.close()
+
+    def stream_results(self, model: str, inputs: list, outputs: Sequence[str] | None = None,
+                       request_id: str = "") -> Iterator[dict[str, np.ndarray]]:
+        """Send ready-made `InferInput`s over gRPC streaming; yields every response as `{output name: array}`
+        (the `outputs` asked for; all the model has when None) until the final one."""
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(self.grpc_url)
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        requested = None if outputs is None else [grpcclient.InferRequestedOutput(name) for name in outputs]
+        finished = False
+        try:
+            client.async_stream_infer(model, inputs, outputs=requested, request_id=request_id or uuid.uuid4().hex,
+                                      enable_empty_final_response=True)
+            while not finished:
+                try:
+                    result, error = responses.get(timeout=self.timeout_s)
+                except queue.Empty as empty:
+                    raise GenerationError(f"no response from {model} within {self.timeout_s} s") from empty
+                if error is not None:
+                    finished = True
+                    raise GenerationError(error.message() if hasattr(error, "message") else str(error))
+                reply = result.get_response()
+                finished = reply.parameters[FINAL_FLAG].bool_param
+                arrays = {out.name: result.as_numpy(out.name) for out in reply.outputs}
+                if arrays:
+                    yield arrays
+        finally:
+            client.stop_stream(cancel_requests=not finished)
+            client.close()
+
+    def stream_options(self, prompt: str, options: GenerationOptions, model: str | None = None,
+                       stream: bool = True) -> Iterator[dict[str, np.ndarray]]:
+        """A text request with every option of `options`; yields each response's arrays (`text_output`,
+        `sequence_index`, `output_log_probs`, perf metrics, … as asked for)."""
+        values = {"text_input": prompt, **options.ensemble_fields(), "stream": stream}
+        return self.stream_results(model or self.model, _grpc_inputs(values))
 
     def stream(self, prompt: str, options: GenerationOptions, model: str | None = None) -> Iterator[bytes]:
         """Stream a text request over gRPC; yields UTF-8 byte chunks as they arrive."""

@@ -115,6 +115,12 @@ class ServeProcess:
             text += "\n" + "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return text
 
+    def wait(self, timeout_s: float) -> int:
+        """Block until `dhisparse-serve` exits on its own (raises `subprocess.TimeoutExpired`); its exit code."""
+        if self._process is None:
+            raise RuntimeError("dhisparse-serve is not running")
+        return self._process.wait(timeout=timeout_s)
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGINT (the launcher then stops tritonserver cleanly), SIGKILL the group after `timeout_s`."""
         process, self._process = self._process, None

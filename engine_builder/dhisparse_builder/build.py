@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.errors import CheckpointError
-from dhisparse.model.weights import load_state_dict, read_config
+from dhisparse.model.loading import load_any_state_dict, read_any_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -58,8 +58,8 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
     if output.exists() and not opts.force:
         raise CheckpointError(f"{output} already exists; pass --force to overwrite it")
     runtime = EngineConfig().with_overrides(**opts.runtime)  # validates the options before the long work
-    cfg = read_config(opts.checkpoint)
-    weights = load_state_dict(opts.checkpoint, cfg, runtime.torch_dtype,
+    cfg = read_any_config(opts.checkpoint)
+    weights = load_any_state_dict(opts.checkpoint, cfg, runtime.torch_dtype,
                               progress=progress or _stderr_progress("converting"))
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))

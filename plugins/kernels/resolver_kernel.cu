@@ -12,7 +12,6 @@ namespace cuda
 namespace
 {
 
-constexpr int kResolverThreads = 256;
 constexpr int64_t kInvalidKey = INT64_MAX;
 constexpr int32_t kNotFirst = kStepUnused;  // entry classes reuse the step codes 1..3
 
@@ -28,6 +27,7 @@ struct RowScratch
     int32_t* needed;      // [b]  slot hit by this step
 };
 
+// Same formula as resolver_row_scratch_bytes (launch.h), callable on the device.
 __host__ __device__ int64_t row_scratch_bytes(int64_t n_select, int64_t hot_rows)
 {
     int64_t const n2 = next_pow2(n_select > 0 ? n_select : 1);
@@ -233,29 +233,28 @@ __global__ void __launch_bounds__(kResolverThreads) resolver_kernel(ResolverArgs
 
 size_t resolver_workspace_bytes(int64_t num_sources, int64_t n_select, int64_t hot_rows, int32_t /*index_bytes*/)
 {
-    return static_cast<size_t>(num_sources * row_scratch_bytes(n_select, hot_rows));
+    return static_cast<size_t>(num_sources * resolver_row_scratch_bytes(n_select, hot_rows));
 }
 
 cudaError_t launch_resolver(ResolverArgs const& args, void* workspace, cudaStream_t stream)
 {
-    if (args.num_sources == 0)
+    LaunchPlan const plan = plan_resolver(args);
+    if (plan.status == kPlanEmpty)
     {
         return cudaSuccess;
     }
-    if (args.num_sources < 0 || args.n_select < 0 || args.num_pages < 0 || args.page_rows <= 0
-        || args.hot_rows < 0 || args.hot_rows >= (int64_t{1} << kSlotBits)
-        || (args.index_bytes != 4 && args.index_bytes != 8))
+    if (plan.status != kPlanOk || (plan.workspace_bytes > 0 && workspace == nullptr))
     {
         return cudaErrorInvalidValue;
     }
-    dim3 const grid(static_cast<unsigned>(args.num_sources));
+    dim3 const grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y));
     if (args.index_bytes == 4)
     {
-        resolver_kernel<int32_t><<<grid, kResolverThreads, 0, stream>>>(args, workspace);
+        resolver_kernel<int32_t><<<grid, plan.block, 0, stream>>>(args, workspace);
     }
     else
     {
-        resolver_kernel<int64_t><<<grid, kResolverThreads, 0, stream>>>(args, workspace);
+        resolver_kernel<int64_t><<<grid, plan.block, 0, stream>>>(args, workspace);
     }
     return cudaGetLastError();
 }

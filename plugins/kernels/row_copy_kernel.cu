@@ -1,4 +1,4 @@
-// Host->device gather copy of missing rows. The grid (4..32 blocks, copy_grid_blocks) grows with the batch;
+// Host->device gather copy of missing rows. The grid (4..32 blocks, plan_row_copy in launch.h) grows with the batch;
 // each block walks (copy, 16-byte chunk) pairs with a grid-stride loop, so consecutive threads read
 // consecutive bytes of one row from pinned host memory.
 #include "dhisparse/copy_grid.h"
@@ -34,10 +34,9 @@ __global__ void __launch_bounds__(kCopyThreads) row_copy_kernel(Vec const* host_
 }
 
 template <typename Vec, typename Idx>
-cudaError_t launch_typed(RowCopyArgs const& a, cudaStream_t stream)
+cudaError_t launch_typed(RowCopyArgs const& a, LaunchPlan const& plan, cudaStream_t stream)
 {
-    int64_t const blocks = copy_grid_blocks(a.num_requests);
-    row_copy_kernel<Vec, Idx><<<static_cast<unsigned>(blocks), kCopyThreads, 0, stream>>>(
+    row_copy_kernel<Vec, Idx><<<static_cast<unsigned>(plan.grid_x), plan.block, 0, stream>>>(
         static_cast<Vec const*>(a.host_rows), a.host_rows_address, static_cast<Vec*>(a.device_rows),
         a.row_bytes / static_cast<int64_t>(sizeof(Vec)), static_cast<Idx const*>(a.src_rows),
         static_cast<Idx const*>(a.dst_rows), a.num_requests * a.copies_per_request);
@@ -45,40 +44,31 @@ cudaError_t launch_typed(RowCopyArgs const& a, cudaStream_t stream)
 }
 
 template <typename Idx>
-cudaError_t launch_indexed(RowCopyArgs const& a, cudaStream_t stream)
+cudaError_t launch_indexed(RowCopyArgs const& a, LaunchPlan const& plan, cudaStream_t stream)
 {
-    // Widest access that divides the row and the base addresses (a host base read on the device is only
-    // known to be 16-byte aligned when the caller says so by passing it directly).
-    auto const aligned = [&a](uintptr_t n) {
-        bool const host_ok = a.host_rows_address != nullptr || reinterpret_cast<uintptr_t>(a.host_rows) % n == 0;
-        return host_ok && reinterpret_cast<uintptr_t>(a.device_rows) % n == 0
-            && static_cast<uintptr_t>(a.row_bytes) % n == 0;
-    };
-    if (aligned(16))
+    switch (plan.vector_bytes)
     {
-        return launch_typed<uint4, Idx>(a, stream);
+    case 16: return launch_typed<uint4, Idx>(a, plan, stream);
+    case 4: return launch_typed<uint32_t, Idx>(a, plan, stream);
+    default: return launch_typed<uint8_t, Idx>(a, plan, stream);
     }
-    if (aligned(4))
-    {
-        return launch_typed<uint32_t, Idx>(a, stream);
-    }
-    return launch_typed<uint8_t, Idx>(a, stream);
 }
 
 } // namespace
 
 cudaError_t launch_row_copy(RowCopyArgs const& args, cudaStream_t stream)
 {
-    if (args.num_requests == 0 || args.copies_per_request == 0)
+    LaunchPlan const plan = plan_row_copy(args);
+    if (plan.status == kPlanEmpty)
     {
         return cudaSuccess;
     }
-    if (args.num_requests < 0 || args.copies_per_request < 0 || args.row_bytes <= 0
-        || (args.index_bytes != 4 && args.index_bytes != 8))
+    if (plan.status != kPlanOk)
     {
         return cudaErrorInvalidValue;
     }
-    return args.index_bytes == 4 ? launch_indexed<int32_t>(args, stream) : launch_indexed<int64_t>(args, stream);
+    return args.index_bytes == 4 ? launch_indexed<int32_t>(args, plan, stream)
+                                 : launch_indexed<int64_t>(args, plan, stream);
 }
 
 } // namespace cuda

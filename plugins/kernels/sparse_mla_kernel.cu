@@ -14,8 +14,8 @@ namespace cuda
 namespace
 {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kWarps = kMlaWarps;
+constexpr int kThreads = kMlaThreads;
 
 __device__ __forceinline__ float load_q(float const* p, int64_t i)
 {
@@ -129,33 +129,33 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_kernel(SparseMlaArgs args
 }
 
 template <typename QT, int kFormat>
-cudaError_t launch_format(SparseMlaArgs const& args, cudaStream_t stream)
+cudaError_t launch_format(SparseMlaArgs const& args, LaunchPlan const& plan, cudaStream_t stream)
 {
-    dim3 const grid(static_cast<unsigned>(args.batch * args.queries), static_cast<unsigned>((args.heads + kWarps - 1) / kWarps));
-    size_t const shared_bytes = sizeof(float) * kWarps * (2 * static_cast<size_t>(args.rank) + args.rope);
+    dim3 const grid(static_cast<unsigned>(plan.grid_x), static_cast<unsigned>(plan.grid_y));
+    size_t const shared_bytes = static_cast<size_t>(plan.shared_bytes);
     if (args.index_bytes == 4)
     {
         auto* kernel = sparse_mla_kernel<QT, kFormat, int32_t>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-        kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+        kernel<<<grid, plan.block, shared_bytes, stream>>>(args);
     }
     else
     {
         auto* kernel = sparse_mla_kernel<QT, kFormat, int64_t>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes));
-        kernel<<<grid, kThreads, shared_bytes, stream>>>(args);
+        kernel<<<grid, plan.block, shared_bytes, stream>>>(args);
     }
     return cudaGetLastError();
 }
 
 template <typename QT>
-cudaError_t launch_q(SparseMlaArgs const& args, cudaStream_t stream)
+cudaError_t launch_q(SparseMlaArgs const& args, LaunchPlan const& plan, cudaStream_t stream)
 {
     switch (args.kv_format)
     {
-    case kKvFloat32: return launch_format<QT, kKvFloat32>(args, stream);
-    case kKvBFloat16: return launch_format<QT, kKvBFloat16>(args, stream);
-    case kKvFp8Ds32: return launch_format<QT, kKvFp8Ds32>(args, stream);
+    case kKvFloat32: return launch_format<QT, kKvFloat32>(args, plan, stream);
+    case kKvBFloat16: return launch_format<QT, kKvBFloat16>(args, plan, stream);
+    case kKvFp8Ds32: return launch_format<QT, kKvFp8Ds32>(args, plan, stream);
     default: return cudaErrorInvalidValue;
     }
 }
@@ -164,16 +164,16 @@ cudaError_t launch_q(SparseMlaArgs const& args, cudaStream_t stream)
 
 cudaError_t launch_sparse_mla(SparseMlaArgs const& args, cudaStream_t stream)
 {
-    if (args.batch * args.queries == 0 || args.heads == 0)
+    LaunchPlan const plan = plan_sparse_mla(args);
+    if (plan.status == kPlanEmpty)
     {
         return cudaSuccess;
     }
-    if (args.batch < 0 || args.queries < 0 || args.heads < 0 || args.topk < 0 || args.rank <= 0 || args.rope < 0
-        || (args.index_bytes != 4 && args.index_bytes != 8) || kv_row_bytes(args.kv_format, args.rank, args.rope) == 0)
+    if (plan.status != kPlanOk)
     {
         return cudaErrorInvalidValue;
     }
-    return args.q_bf16 ? launch_q<__nv_bfloat16>(args, stream) : launch_q<float>(args, stream);
+    return args.q_bf16 != 0 ? launch_q<__nv_bfloat16>(args, plan, stream) : launch_q<float>(args, plan, stream);
 }
 
 } // namespace cuda

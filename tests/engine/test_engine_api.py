@@ -10,8 +10,8 @@ from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
 from dhisparse.engine.loop import EngineLoop
-from dhisparse.engine.sampling import filtered_probs, sample_from, uniform
 from dhisparse.errors import ConfigError, InvalidRequestError
+from dhisparse.sampling.sampler import filtered_probs, sample_from, uniform
 
 
 @pytest.fixture(scope="module")

@@ -79,3 +79,40 @@ def test_all_direct_steps_resolve_like_the_full_resolver(policy, monkeypatch) ->
     assert fast == full and fast["kv_rows_direct"] > 0
     assert fast_steps > 0 and full_steps == 0
     assert all(torch.equal(a, b) for a, b in zip(fast_hot, full_hot, strict=True))
+
+
+def test_verification_staging_costs_no_extra_host_read() -> None:
+    """Hot cache smaller than a verification step's union of selections: the overflow goes to staging through
+    the same fixed-shape copy list, rows stay exact (the driver checks every gather), one read per step."""
+    layout = KVLayout(4, list(range(4)), 5, torch.float32, [0, 2], 3, 4, [[0, 1], [2, 3]])
+    m = make_manager(layout, "hisparse", 1 << 22, hot_rows=4, max_query_len=3)
+    d = KVDriver(m, seed=5)
+    for i in range(4):
+        assert d.submit(f"r{i}", 11 + i, 8)
+    per_step = set()
+    for _ in range(3):
+        before = m.sync.reads
+        d.step(d.steppable(), 3)
+        per_step.add(m.sync.reads - before)
+        d.poll()
+    assert per_step == {1} and m.stats()["kv_rows_staged"] > 0
+    d.drain()
+
+
+def test_abort_step_clears_the_deferred_checks() -> None:
+    """A rolled-back step's device flags are cleared unread: abort raises nothing, counts nothing, and the next
+    step of the same requests ends cleanly with its one read."""
+    m = make_manager(make_layout("deepseek"), "hisparse", 100_000)
+    d = KVDriver(m)
+    assert d.submit("a", 6, 4)
+    step = m.begin_step(["a"], 1)
+    step.gather(0, torch.tensor([[[9, -1, -1, -1]]]))  # sets the bad-position flag on the device
+    before = m.stats()
+    m.abort_step()
+    assert not bool(step.flags.any()) and int(step.counts.sum()) == 0
+    assert m.stats()["kv_steps_aborted"] == before["kv_steps_aborted"] + 1
+    assert m.stats()["kv_resolved_rows"] == before["kv_resolved_rows"]
+    reads = m.sync.reads
+    d.step(["a"], 1)
+    assert m.sync.reads == reads + 1
+    d.drain()

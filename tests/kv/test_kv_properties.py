@@ -33,7 +33,7 @@ class KVMachine(RuleBasedStateMachine):
     def setup(self, policy: str, kind: str, pool_scale: float, max_query_len: int, reserve_pages: int,
               seed: int) -> None:
         layout = make_layout(kind)
-        hot_rows = layout.index_topk * max_query_len + 2
+        hot_rows = layout.index_topk + 2  # B does not grow with the query length: overflow goes to staging
         probe = KVConfig(policy=policy, pool_bytes=1 << 20, hot_rows=hot_rows, page_rows=4,
                          max_query_len=max_query_len)
         reserve = reserve_pages * 4 * layout.row_bytes

@@ -44,8 +44,8 @@ def test_hisparse_backs_up_the_prompt_eagerly_and_keeps_no_optional_pages() -> N
 
 def test_configurations_that_cannot_work_are_refused_with_the_fix() -> None:
     layout = make_layout("deepseek", topk=4)
-    with pytest.raises(ConfigError, match="raise hot_rows to >= 8"):
-        make_manager(layout, "hisparse", 100_000, hot_rows=7, max_query_len=2)
+    with pytest.raises(ConfigError, match="raise hot_rows to >= 4"):  # one query's selection; staging takes the rest
+        make_manager(layout, "hisparse", 100_000, hot_rows=3, max_query_len=2)
     m = make_manager(layout, "resident", 2000)
     with pytest.raises(AdmissionError, match="raise pool_bytes"):
         m.try_admit("big", 500, 10)

@@ -100,10 +100,8 @@ def test_shortening_rule_matches_explicit_confidences() -> None:
     expected = confident_prefix_length(alpha.unsqueeze(1).expand(-1, SPEC.gamma), SPEC.min_confidence)
     assert torch.equal(q, 1 + expected)
     assert torch.equal(SPEC.verify_lengths(ctx, batch=2), torch.full((4,), SPEC.gamma + 1))
-    try:
-        from dhisparse.spec.drafters.dspark import confident_prefix_length as drafter_rule
-    except ImportError:
-        return
+    from dhisparse.spec.drafters.dspark import confident_prefix_length as drafter_rule
+
     conf = torch.rand(16, 5, generator=torch.Generator().manual_seed(0))
     assert torch.equal(drafter_rule(conf, 0.3), confident_prefix_length(conf, 0.3))
 

@@ -57,7 +57,8 @@ def served(tiny_engine: Path, tmp_path_factory: pytest.TempPathFactory):
     from dhisparse.serving.triton_install import TritonInstall, prepare_backend_dir
 
     work = tmp_path_factory.mktemp("triton")
-    overrides = {"kv_policy": KV_POLICY, "pool_bytes": POOL_BYTES}
+    # pages of 16 rows (the shared default is 64, sized for GPU-scale models): POOL_BYTES holds ~3 requests
+    overrides = {"kv_policy": KV_POLICY, "pool_bytes": POOL_BYTES, "page_rows": 16}
     fill_model_repository(RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100), work / "repo")
     install = TritonInstall.locate()
     backend_dir = prepare_backend_dir(install, work / "backends")

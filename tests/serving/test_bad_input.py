@@ -12,7 +12,7 @@ GOOD = {"text_input": "To be", "max_tokens": 2, "stream": True}
 CASES = [
     ("ensemble", {"max_tokens": 4}, "text_input"),
     ("ensemble", {"text_input": "", "max_tokens": 4}, "text_input is empty"),
-    ("ensemble", {"text_input": ["a", "b"], "max_tokens": 4}, "exactly one prompt"),
+    ("ensemble", {"text_input": ["a", "b"], "max_tokens": 4}, "text_input"),  # Triton: shape [1, 2] is not [1]
     ("ensemble", {"text_input": "x" * (MAX_MODEL_LEN + 10), "max_tokens": 4}, "engine's maximum"),
     ("ensemble", {"text_input": "To be", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ("ensemble", {"text_input": "To be", "max_tokens": -3}, "max_tokens must be an integer >= 1"),
@@ -22,14 +22,24 @@ CASES = [
     ("ensemble", {"text_input": "To be", "max_tokens": 4, "top_k": -1}, "top_k must be"),
     ("ensemble", {"text_input": "To be", "max_tokens": 4, "temperature": float("nan")}, "temperature must be finite"),
     ("ensemble", {"text_input": "To be", "max_tokens": 4, "beam_width": 2}, "beam_width must be 1"),
-    ("ensemble", {"text_input": "To be", "max_tokens": 4, "repetition_penalty": 1.3}, "repetition_penalty"),
-    ("ensemble", {"text_input": "To be", "max_tokens": 4, "bad_words": ["the"]}, "bad_words is not supported"),
+    ("ensemble", {"text_input": "To be", "max_tokens": 4, "repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ("ensemble", {"text_input": "To be", "max_tokens": 4, "num_return_sequences": 0}, "num_return_sequences must be"),
+    ("ensemble", {"text_input": "To be", "max_tokens": 4, "embedding_bias_words": ["a", "b"],
+                  "embedding_bias_weights": [1.0]}, "one weight per word"),
+    ("ensemble", {"text_input": "To be", "max_tokens": 4, "random_seed": 1, "seed": 2}, "disagree"),
     ("dhisparse_bls", {"text_input": "", "max_tokens": 4}, "text_input is empty"),
     ("dhisparse_bls", {"text_input": "To be", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ("dhisparse", {"input_ids": [5, 100000, 7], "request_output_len": 4}, "outside the vocabulary"),
     ("dhisparse", {"input_ids": [5, -1], "request_output_len": 4}, "outside the vocabulary"),
     ("dhisparse", {"request_output_len": 4}, "input_ids is missing"),
+    # Missing required inputs, every model: the error names the input.
+    ("ensemble", {"text_input": "To be"}, "max_tokens"),
+    ("dhisparse_bls", {"max_tokens": 4}, "text_input"),
+    ("dhisparse_bls", {"text_input": "To be"}, "max_tokens"),
+    ("dhisparse", {"input_ids": [5, 6]}, "request_output_len"),
     ("dhisparse", {"input_ids": [5, 6], "input_lengths": 9, "request_output_len": 4}, "input_lengths 9"),
+    ("dhisparse", {"input_ids": [5, 6], "request_output_len": 4, "embedding_bias": [0.0] * 400 + [1.0]},
+     "outside the vocabulary"),
 ]
 
 
@@ -64,6 +74,15 @@ def test_wrong_dtype_and_unknown_input_are_refused_by_triton(served):
     unknown.set_data_from_numpy(np.array([[1]], dtype=np.int32))
     with pytest.raises(GenerationError, match="no_such_input"):
         list(client.stream_inputs("ensemble", [text, unknown], "text_output"))
+    _good_request_succeeds(served)
+
+
+@pytest.mark.parametrize("model", ["ensemble", "dhisparse_bls"])
+@pytest.mark.parametrize(("body", "missing"),
+                         [({"max_tokens": 4}, "text_input"), ({"text_input": "To be"}, "max_tokens")])
+def test_http_generate_names_a_missing_input(served, model, body, missing):
+    with pytest.raises(GenerationError, match=missing):
+        served.client()._post(f"/v2/models/{model}/generate", body)
     _good_request_succeeds(served)
 
 

@@ -19,7 +19,8 @@ def test_bench_measures_one_policy_with_the_real_perf_analyzer(tiny_engine, tmp_
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "dhisparse_client.bench", "--engine", str(tiny_engine), "--policies", "hisparse",
            "--concurrency", "2", "--requests", "4", "--prompt-tokens", "48", "--max-tokens", "6",
-           "--prompts", "4", "--repeats", "1", "--pool-bytes", str(256 * 1024), "--output-dir", str(out)]
+           "--prompts", "4", "--repeats", "1", "--pool-bytes", str(256 * 1024), "--engine-option", "page_rows=16",
+           "--output-dir", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "hisparse" in done.stdout and "tok/s" in done.stdout

@@ -66,3 +66,12 @@ def test_malformed_word_list_is_rejected():
         split_word_list(np.zeros((3, 2), dtype=np.int32))
     with pytest.raises(InvalidRequestError, match="offsets"):
         split_word_list(np.array([[5, 6], [2, 1]], dtype=np.int32))
+
+
+def test_stop_sequence_within_min_tokens_does_not_count():
+    from dhisparse.serving.stop_sequences import StopSequenceMatcher
+
+    assert StopSequenceMatcher([(4, 5)]).feed([4, 5, 9]) == 2
+    held = StopSequenceMatcher([(4, 5)], min_tokens=2)
+    assert held.feed([4, 5, 9]) is None  # completed at token 2: too early
+    assert held.feed([4, 5]) == 2  # completed at token 5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.engine.sampling import uniform
+from dhisparse.sampling.sampler import uniform
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.ring import DraftRing
 

@@ -1,4 +1,6 @@
-"""Speculation never changes greedy output: both drafters × every KV policy × tight and generous budgets.
+"""Speculation never changes greedy output: both drafters × every KV policy × tight and generous budgets, and
+γ = 1 … 8 with B = index_topk (the hot cache does not grow with γ) and tight pools, so that the rows of a
+verification step that the hot cache cannot take go through verification staging on most steps.
 
 The drafters here are small random-init models of the two kinds (their acceptance is low, so most verification
 steps exercise rejection and the bonus token); the demo pair's tests exercise high acceptance.
@@ -9,12 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_models import random_prompts
+from tiny_models import build_spec_engine, random_prompts
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig, DSparkDrafter, save_drafter
-from dhisparse_builder import BuildOptions, build_engine
 
 PROMPT_LENGTHS = [7, 23, 50, 97]
 NEW_TOKENS = 40
@@ -22,15 +21,7 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_checkpoint, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("spec")
-    torch.manual_seed(0)
-    common = dict(vocab_size=96, target_hidden_size=64, hidden_size=32, num_layers=1, num_heads=2,
-                  intermediate_size=64, max_block=8)
-    save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(1, 3), window=16, **common)), root / "dflash2")
-    save_drafter(DSparkDrafter(DSparkConfig(target_layer_ids=(3,), markov_rank=4, confidence_hidden=16, **common)),
-                 root / "dspark")
-    return build_engine(BuildOptions(tiny_checkpoint("glm_fsfs_sparse"), root / "engine", {"dtype": "float64"},
-                                     drafters=(root / "dflash2", root / "dspark")), progress=lambda d, t: None)
+    return build_spec_engine(tmp_path_factory.mktemp("spec"), tiny_checkpoint("glm_fsfs_sparse"))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +54,11 @@ def test_speculative_greedy_equals_plain_greedy(spec_engine, reference_tokens, k
     assert [o.token_ids for o in outs] == reference_tokens
     stats = llm.stats()
     assert stats["verify_steps"] > 0
-    assert stats["spec_ring_bytes_per_request"] > 0 and stats["spec_staging_bytes_per_request"] > 0
+    assert stats["spec_ring_bytes_per_request"] > 0
+    assert (stats["spec_staging_bytes_per_request"] > 0) == (policy in ("hisparse", "adaptive"))
+    assert llm.engine.kv.config.hot_rows in (0, llm.engine.model.cfg.index_topk) if policy != "dense" else True
+    if policy == "hisparse":
+        assert stats["kv_rows_staged"] > 0  # B = index_topk: verification overflows into staging
     if kind == "dspark" and budget == "generous":
         assert stats["draft_tokens_shortened"] > 0  # batches of >= 2 are busy: load-aware shortening is active
     if policy != "dense":
@@ -71,15 +66,43 @@ def test_speculative_greedy_equals_plain_greedy(spec_engine, reference_tokens, k
         assert stats["kv_requests_running"] == 0
 
 
+GAMMA_PROMPTS = (3,)  # index into PROMPT_LENGTHS: the 97-token prompt (the pool leaves it 2 optional pages)
+GAMMA_NEW_TOKENS = 8
+
+
+@pytest.mark.parametrize("gamma", range(1, 9))
+@pytest.mark.parametrize("kind", ["dflash2", "dspark"])
+@pytest.mark.parametrize("policy", ["resident", "hisparse", "adaptive"])
+def test_every_gamma_with_fixed_hot_cache_and_tight_pool(spec_engine, reference_tokens, gamma, kind, policy):
+    """B stays index_topk for every γ; the pool holds one request and two pages (tight): most rows come from the
+    hot cache or host, and the verification block's union overflows into staging."""
+    kwargs = dict(kv_policy=policy, speculative=kind, num_draft_tokens=gamma, page_rows=8, max_batch_size=2)
+    llm = LLM(spec_engine, **kwargs, pool_bytes=_smallest_pool(kwargs, spec_engine))
+    kv = llm.engine.kv
+    assert kv.config.hot_rows_for(kv.layout) == (0 if policy == "resident" else llm.engine.model.cfg.index_topk)
+    prompts = random_prompts(PROMPT_LENGTHS, 96, seed=21)
+    outs = llm.generate([prompts[i] for i in GAMMA_PROMPTS],
+                        SamplingParams(max_tokens=GAMMA_NEW_TOKENS, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_tokens[i][:GAMMA_NEW_TOKENS] for i in GAMMA_PROMPTS]
+    stats = llm.stats()
+    assert stats["verify_steps"] > 0
+    if policy == "hisparse":
+        assert stats["kv_rows_staged"] > 0
+    kv.check_invariants()
+    assert stats["kv_requests_running"] == 0
+
+
 def test_staging_does_not_grow_with_layers(spec_engine):
-    llm = LLM(spec_engine, kv_policy="dense", speculative="dflash2", num_draft_tokens=3)
-    staging = llm.engine.staging
+    llm = LLM(spec_engine, kv_policy="hisparse", speculative="dflash2", num_draft_tokens=3, page_rows=8)
+    kv = llm.engine.kv
     cfg = llm.engine.model.cfg
+    fp = kv.footprint(30, 6)
     longest_group = max(len(g) for g in cfg.index_groups)
-    assert staging.buffer.shape[0] == longest_group < cfg.num_hidden_layers
-    before = staging.uses
+    assert fp.staging_slots == kv.layout.staging_slots == longest_group < cfg.num_hidden_layers
+    assert fp.staging_rows == 4 * cfg.index_topk - cfg.index_topk  # (γ + 1) · index_topk − B
+    assert fp.staging_pages == longest_group * -(-fp.staging_rows // 8)
     llm.generate(random_prompts([30], 96, seed=2), SamplingParams(max_tokens=6, ignore_eos=True))
-    assert staging.uses > before  # verification really gathers through it
+    assert llm.stats()["kv_rows_staged"] > 0  # verification really reads through staging
 
 
 def test_missing_drafter_is_a_clear_error(tiny_engine):
@@ -89,14 +112,22 @@ def test_missing_drafter_is_a_clear_error(tiny_engine):
         LLM(tiny_engine("glm_fsfs_sparse"), speculative="dflash2")
 
 
-def test_speculative_memory_is_required_memory(spec_engine):
-    plain = LLM(spec_engine, kv_policy="adaptive", page_rows=8, hot_rows=8 * 5)  # index_topk 8, 1 + gamma = 5
-    spec = LLM(spec_engine, kv_policy="adaptive", page_rows=8, speculative="dflash2", num_draft_tokens=4)
-    extra = spec.engine.spec_bytes_per_request
-    assert extra == spec.stats()["spec_ring_bytes_per_request"] + spec.stats()["spec_staging_bytes_per_request"]
-    # same B (index_topk x 5) and query length: the only difference is the speculative state
-    assert spec.engine.kv.config.hot_rows == plain.engine.kv.config.hot_rows
-    assert spec.engine.kv.required_bytes(50, 10) - plain.engine.kv.required_bytes(50, 10) >= extra
+@pytest.mark.parametrize("policy", ["resident", "hisparse", "adaptive"])
+def test_speculative_memory_is_exactly_ring_plus_staging(spec_engine, policy):
+    plain = LLM(spec_engine, kv_policy=policy, page_rows=8)
+    spec = LLM(spec_engine, kv_policy=policy, page_rows=8, speculative="dflash2", num_draft_tokens=4)
+    ring = spec.engine.spec.ring_bytes_per_request
+    assert spec.stats()["spec_ring_bytes_per_request"] == ring > 0
+    # same B with and without a drafter
+    assert spec.engine.kv.config.hot_rows_for(spec.engine.kv.layout) == \
+        plain.engine.kv.config.hot_rows_for(plain.engine.kv.layout)
+    for prompt, new in ((50, 10), (7, 33), (97, 40)):
+        with_spec = spec.engine.kv.footprint(prompt, new)
+        without = plain.engine.kv.footprint(prompt, new)
+        assert without.speculative_bytes == 0
+        assert with_spec.speculative_bytes == ring + with_spec.staging_bytes
+        assert with_spec.required_bytes == without.required_bytes + ring + with_spec.staging_bytes
+        assert spec.engine.kv.required_bytes(prompt, new) == with_spec.required_bytes
     spec.generate(random_prompts([40], 96, seed=3), SamplingParams(max_tokens=5, ignore_eos=True))
     spec.engine.kv.poll()
     assert spec.engine.kv.stats()["kv_required_bytes"] == 0  # everything released, ring slot included

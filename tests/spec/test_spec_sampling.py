@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.engine.sampling import filtered_probs
+from dhisparse.sampling.sampler import filtered_probs
 
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 N = 800

@@ -9,12 +9,15 @@ from typing import Any
 
 import torch
 
+from dhisparse import defaults
 from dhisparse.errors import ConfigError
+from dhisparse.kv.policies import ENGINE_POLICIES, policy_named
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-KV_POLICIES = ("resident", "hisparse", "adaptive", "dense")
+KV_POLICIES = ENGINE_POLICIES  # the hierarchy's policies and the dense reference (dhisparse.kv.policies)
 SPECULATIVE = (None, "dflash2", "dspark")
 KV_DTYPES = ("auto", "fp8")
+KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection
 
 
 @dataclass(frozen=True)
@@ -28,28 +31,31 @@ class EngineConfig:
     max_new_tokens_limit: int = 0  # 0: up to max_model_len
     prefill_chunk_tokens: int = 512
     max_prefill_tokens_per_step: int = 4096
-    kv_policy: str = "adaptive"
+    kv_policy: str = defaults.KV_POLICY
     pool_bytes: int = 256 * 1024 * 1024  # 0 ("auto"): the device's free memory less the workspace bound
-    hot_rows: int = 0  # 0: derived from index_topk (and the verification block when speculating)
-    page_rows: int = 16
-    reserve_bytes: int = 0
+    hot_rows: int = defaults.HOT_ROWS  # 0: index_topk, with or without speculation (overflow goes to staging)
+    page_rows: int = defaults.PAGE_ROWS
+    reserve_bytes: int = defaults.RESERVE_BYTES
     host_bytes: int = 0  # 0: half of the machine's physical memory
     kv_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy policies only)
-    refill_pages_per_step: int = 64
+    refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     speculative: str | None = None
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = defaults.NUM_DRAFT_TOKENS
     dspark_busy_batch: int = 8  # DSpark: a batch at least this large counts as busy
     dspark_min_confidence: float = 0.0  # DSpark: verify only the draft prefix this likely to be accepted …
     dspark_busy_confidence: float = 0.3  # … or this likely when the batch is busy (load-aware shortening)
+    fault_injection: str = ""  # drills and tests only: "site@n,…" (see engine/faults.py); "" = off
+    kernels: str = "auto"  # auto | cuda | torch: CUDA kernels in the request path on a GPU (self-checked)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.kv_policy not in KV_POLICIES:
-            raise ConfigError(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {self.kv_policy!r}")
+        policy = policy_named(self.kv_policy, "kv_policy")
+        if self.kernels not in KERNELS:
+            raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.kv_dtype == "fp8" and self.kv_policy == "dense":
+        if self.kv_dtype == "fp8" and policy.reference_store:
             raise ConfigError("kv_dtype 'fp8' needs a KV hierarchy policy (resident, hisparse or adaptive), "
                               "not the dense reference store")
         if self.speculative not in SPECULATIVE:

@@ -59,6 +59,7 @@ class DenseKVManager:
     """Unbounded reference manager: admits everything, stores everything densely."""
 
     policy = "dense"
+    staging_overflow_bytes_per_request = 0  # no hot cache, nothing overflows
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_query_len: int = 1) -> None:
         self.cfg, self.dtype, self.device, self.max_query_len = cfg, dtype, device, max_query_len
@@ -98,6 +99,14 @@ class DenseKVManager:
                 k[s.length + keep:s.length + query_len] = 0
             s.length += keep
         self._step = None
+
+    def abort_step(self) -> None:
+        """Roll back the open step: every provisional row is dropped."""
+        if self._step is not None:
+            self.end_step(dict.fromkeys(self._step[0], 0))
+
+    def owners_of(self, ticket: object) -> list[str]:
+        return []  # the dense store issues no copies
 
     def release(self, request_id: str) -> None:
         self.stores.pop(request_id, None)

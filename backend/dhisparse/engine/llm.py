@@ -9,10 +9,9 @@ from typing import Any
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.request import RequestOutput, RequestUpdate
-from dhisparse.engine.sampling import SamplingParams
-from dhisparse.errors import CheckpointError
-from dhisparse.model.model import DSAModel
-from dhisparse.model.weights import load_state_dict, read_config
+from dhisparse.errors import CheckpointError, RequestFailedError
+from dhisparse.model.loading import build_model, load_any_state_dict, read_any_config
+from dhisparse.sampling.params import SamplingParams
 
 
 class LLM:
@@ -27,12 +26,12 @@ class LLM:
         if not self.engine_dir.is_dir():
             raise CheckpointError(f"{self.engine_dir}: engine directory not found")
         self.config = EngineConfig.load(self.engine_dir / "runtime.json").with_overrides(**runtime_overrides)
-        model_cfg = read_config(self.engine_dir)
-        weights = load_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
+        model_cfg = read_any_config(self.engine_dir)
+        weights = load_any_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
         import torch
 
         device = torch.device(self.config.device)
-        model = DSAModel(model_cfg, weights, self.config.torch_dtype, device)
+        model = build_model(model_cfg, weights, self.config.torch_dtype, device)
         speculator = None
         if self.config.speculative:
             from dhisparse.spec.speculator import Speculator
@@ -68,7 +67,9 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        """Run every prompt to completion with continuous batching; outputs in prompt order. If engine work
+        failed for some request (see ``LLMEngine``), the others still complete and ``RequestFailedError`` is
+        raised with every output in its ``outputs`` (failed ones have ``finish_reason == "error"``)."""
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompt_token_ids)
@@ -83,7 +84,13 @@ class LLM:
         for i in ids:
             req = self.engine.pop_finished(i)
             outputs.append(RequestOutput(i, req.prompt_token_ids, list(req.output_token_ids), req.finish_reason,
-                                         self.engine.request_stats(req)))
+                                         self.engine.request_stats(req),
+                                         list(req.output_log_probs) if req.params.logprobs else None,
+                                         error=req.error))
+        failed = [o for o in outputs if o.finish_reason == "error"]
+        if failed:  # never hand back a silently empty output: the caller sees the failure (and every output)
+            raise RequestFailedError(f"{len(failed)} of {len(outputs)} requests failed; the first, "
+                                     f"{failed[0].request_id}: {failed[0].error}", outputs)
         return outputs
 
     def generate_stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 from dhisparse.engine.llm import LLM
 from dhisparse.engine.request import RequestUpdate
-from dhisparse.engine.sampling import SamplingParams
-from dhisparse.errors import InvalidRequestError
+from dhisparse.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from dhisparse.sampling.params import SamplingParams
 
 _END = object()
 
@@ -40,6 +40,14 @@ class RequestStream:
 
 
 class EngineLoop:
+    """Runs ``llm``'s engine on a background thread.
+
+    Guarantees: every stream ends (a finishing update, or an exception: :class:`RequestFailedError` when the
+    engine work it was part of failed, :class:`EngineDeadError` when the engine stopped); ``close`` ends the
+    streams still open, including requests still in the inbox; once the engine is dead or the loop closed
+    (or its thread died), ``submit`` raises :class:`EngineDeadError` and ``alive`` is False.
+    """
+
     def __init__(self, llm: LLM, idle_wait_s: float = 0.05) -> None:
         self.llm, self.engine = llm, llm.engine
         self._inbox: queue.Queue = queue.Queue()
@@ -50,39 +58,64 @@ class EngineLoop:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._idle_wait_s = idle_wait_s
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # why the loop stopped serving (None while it serves)
         self._thread = threading.Thread(target=self._run, name="dhisparse-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop accepts and runs requests (False once closed, dead, or its thread is gone)."""
+        return self.error is None and not self._stop.is_set() and self._thread.is_alive()
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine is stopped: {self.error}")
+        if self._stop.is_set():
+            raise EngineDeadError("the engine loop is shut down")
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine thread is not running")
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
                ) -> RequestStream:
-        """Validate and queue a request; raises ``InvalidRequestError`` on bad input (nothing is queued)."""
-        if self._stop.is_set():
-            raise InvalidRequestError("the engine loop is shut down")
+        """Validate and queue a request; raises ``InvalidRequestError`` on bad input and ``EngineDeadError`` when
+        the loop no longer runs (nothing is queued either way)."""
+        self._check_alive()
         prompt = [int(t) for t in prompt_token_ids]
         self.engine.validate(prompt, params)
         with self._lock:
+            self._check_alive()  # under the lock: a close() racing with us either sees this stream or we raise
             rid = request_id or f"loop-{next(self._ids)}"
             if rid in self._streams:
                 raise InvalidRequestError(f"request id {rid!r} is already in use")
             stream = RequestStream(rid, self)
             self._streams[rid] = stream
-        self._inbox.put(("add", rid, prompt, params))
+            self._inbox.put(("add", rid, prompt, params))
         self._wake.set()
         return stream
 
-    def cancel(self, request_id: str) -> None:
-        self._inbox.put(("cancel", request_id))
+    def cancel(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request wherever it is (queued, waiting for admission, running) and free all it holds. Its
+        stream ends with a finishing update of ``reason``: ``"abort"`` (a cancelled request) or ``"stop"``
+        (the caller matched a stop sequence: the request counts as finished, not aborted)."""
+        self._inbox.put(("cancel", request_id, reason))
         self._wake.set()
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return dict(self._stats)
+            out = dict(self._stats)
+        out["engine_alive"] = float(self.alive)
+        return out
 
     def close(self, timeout_s: float = 10.0) -> None:
-        self._stop.set()
+        """Stop the loop; every open stream ends (an ``abort`` update, or an error if it was still queued)."""
+        with self._lock:
+            self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        # The thread ends the streams itself on its way out; if it is stuck in a step, end them from here
+        # without touching the (single-threaded) engine.
+        self._end_all(EngineDeadError("the engine loop was shut down before the request finished"),
+                      touch_engine=not self._thread.is_alive())
 
     # ------------------------------------------------------------------------------------ loop thread
     def _drain_inbox(self) -> None:
@@ -98,10 +131,10 @@ class EngineLoop:
                 except Exception as exc:
                     self._close_stream(rid, exc)
             else:
-                rid = msg[1]
-                if self.engine.abort_request(rid):
+                _, rid, reason = msg
+                if self.engine.abort_request(rid, reason):
                     self.engine.pop_finished(rid)
-                    self._close_stream(rid, None, RequestUpdate(rid, [], True, "abort"))
+                    self._close_stream(rid, None, RequestUpdate(rid, [], True, reason))
 
     def _close_stream(self, rid: str, error: BaseException | None, update: RequestUpdate | None = None) -> None:
         with self._lock:
@@ -112,35 +145,64 @@ class EngineLoop:
             stream._queue.put(update)
         stream._queue.put(error if error is not None else _END)
 
+    def _deliver(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            if update.finish_reason == "error":
+                self.engine.requests.pop(update.request_id, None)
+                error_type = EngineDeadError if self.engine.dead is not None else RequestFailedError
+                self._close_stream(update.request_id, error_type(update.error or "the request failed"))
+                continue
+            with self._lock:
+                stream = self._streams.get(update.request_id)
+            if stream is not None:
+                stream._queue.put(update)
+            if update.finished:
+                self.engine.requests.pop(update.request_id, None)
+                self._close_stream(update.request_id, None)
+
+    def _end_all(self, error: BaseException, touch_engine: bool = True, graceful: bool = True) -> None:
+        """End every open stream. The engine's requests are aborted (freeing their memory) and, when the loop
+        closes gracefully, end with an ``abort`` update; everything else (the inbox, a failed loop) gets
+        ``error``."""
+        for rid in list(self.engine.requests) if touch_engine else []:
+            if self.engine.dead is None:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:  # ending the streams matters more than a clean free
+                    pass
+            self.engine.requests.pop(rid, None)
+            if graceful:
+                self._close_stream(rid, None, RequestUpdate(rid, [], True, "abort"))
+            else:
+                self._close_stream(rid, error)
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._close_stream(rid, error)
+
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox()
-            if not self.engine.has_unfinished():
-                self.engine.poll_idle()
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self.engine.poll_idle()
+                    with self._lock:
+                        self._stats = self.engine.stats()
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+                    continue
+                self._deliver(self.engine.step())
                 with self._lock:
                     self._stats = self.engine.stats()
-                self._wake.wait(self._idle_wait_s)
-                self._wake.clear()
-                continue
-            try:
-                updates = self.engine.step()
-            except Exception as exc:
-                self.error = exc
-                for rid in list(self.engine.requests):
-                    self.engine.abort_request(rid)
-                    self.engine.requests.pop(rid, None)
-                    self._close_stream(rid, RuntimeError(f"engine step failed: {exc!r}"))
-                continue
-            for update in updates:
-                with self._lock:
-                    stream = self._streams.get(update.request_id)
-                if stream is not None:
-                    stream._queue.put(update)
-                if update.finished:
-                    self.engine.requests.pop(update.request_id, None)
-                    self._close_stream(update.request_id, None)
+                if self.engine.dead is not None:
+                    raise EngineDeadError(self.engine.dead)
+        except BaseException as exc:  # the loop must never die silently
+            self.error = exc
             with self._lock:
-                self._stats = self.engine.stats()
-        for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
-            self._close_stream(rid, None, RequestUpdate(rid, [], True, "abort"))
+                self._stop.set()
+                self._stats = {**self._stats, "engine_dead": 1.0}
+            self._end_all(exc if isinstance(exc, EngineDeadError) else
+                          EngineDeadError(f"the engine loop failed: {type(exc).__name__}: {exc}"), graceful=False)
+            return
+        if self.error is None:
+            self._end_all(EngineDeadError("the engine loop was shut down before the request finished"))

@@ -6,7 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from dhisparse.engine.sampling import SamplingParams
+import torch
+
+from dhisparse.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):
@@ -22,6 +24,7 @@ class Request:
     params: SamplingParams
     seed: int  # int64 bit pattern of the request's random stream
     arrival_time: float = field(default_factory=time.perf_counter)
+    arrival_wall_ns: int = field(default_factory=time.time_ns)  # the same instant on the wall clock
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV rows are stored
@@ -30,7 +33,14 @@ class Request:
     admitted_time: float | None = None
     finish_time: float | None = None
     spec_state: object | None = None  # drafter state when speculating
+    kv_admitted: bool = False  # the KV manager holds memory for it (try_admit said yes, not released yet)
+    error: str | None = None  # why it failed (finish_reason "error")
     counters: dict[str, float] = field(default_factory=dict)
+    last_token_time: float | None = None
+    token_counts: torch.Tensor | None = None  # [V] float32 counts of prompt + output tokens (penalties only)
+    context_logits: torch.Tensor | None = None  # [prompt_len, V] until sent with the first update
+    cum_log_prob: float = 0.0  # sum of the generated tokens' log-probabilities (when params.logprobs)
+    output_log_probs: list[float] = field(default_factory=list)  # per generated token (when params.logprobs)
 
     @property
     def prompt_len(self) -> int:
@@ -49,6 +59,12 @@ class Request:
             out["queue_s"] = self.admitted_time - self.arrival_time
         if self.finish_time is not None and self.first_token_time is not None and len(self.output_token_ids) > 1:
             out["tpot_s"] = (self.finish_time - self.first_token_time) / (len(self.output_token_ids) - 1)
+        # The same instants as wall-clock nanoseconds since the epoch (TensorRT-LLM's perf-metrics outputs).
+        for name, value in (("arrival_time_ns", self.arrival_time), ("first_scheduled_time_ns", self.admitted_time),
+                            ("first_token_time_ns", self.first_token_time),
+                            ("last_token_time_ns", self.last_token_time)):
+            if value is not None:
+                out[name] = float(self.arrival_wall_ns + round((value - self.arrival_time) * 1e9))
         return out
 
 
@@ -60,7 +76,11 @@ class RequestUpdate:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # on the finishing update (every one: perf_metrics)
+    new_log_probs: list[float] | None = None  # per new token, when params.logprobs
+    new_logits: torch.Tensor | None = None  # [len(new_token_ids), V] processed logits, params.generation_logits
+    context_logits: torch.Tensor | None = None  # [prompt_len, V] on the first update, params.context_logits
+    error: str | None = None  # with finish_reason "error": what failed
 
 
 @dataclass
@@ -70,5 +90,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (see ``error``)
     stats: dict[str, float]
+    log_probs: list[float] | None = None  # per generated token, when SamplingParams.logprobs
+    error: str | None = None

@@ -7,10 +7,12 @@ from typing import Any
 
 import torch
 
+from dhisparse import defaults
 from dhisparse.errors import ConfigError
 from dhisparse.kv.fp8 import dequantize_rows, fp8_row_bytes, quantize_rows
+from dhisparse.kv.policies import KV_POLICIES, KVPolicy, policy_named
 
-KV_POLICIES = ("resident", "hisparse", "adaptive")
+__all__ = ["KV_POLICIES", "ROW_FORMATS", "AdmissionError", "KVConfig", "KVLayout"]
 ROW_FORMATS = ("native", "fp8")
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -152,6 +154,20 @@ class KVLayout:
     def index_key_bytes(self) -> int:
         return self.index_key_dim * self.dtype.itemsize
 
+    @property
+    def staging_slots(self) -> int:
+        """Verification staging slots: one per layer of the longest index group (1 without groups). A group's
+        sources are resolved together, so its overflow rows are staged together; the next group reuses the
+        slots once the previous group's layers have consumed them."""
+        return max((len(g) for g in self.index_groups), default=1)
+
+    def staging_slot_of_layer(self, layer: int) -> int:
+        """The staging slot a layer's source uses: its index within its index group (0 outside groups)."""
+        for group in self.index_groups:
+            if layer in group:
+                return group.index(layer)
+        return 0
+
     def group_of_layer(self, layer: int) -> tuple[int, ...]:
         """The layers resolved together with ``layer`` when it leads a group (else just ``(layer,)``)."""
         for group in self.index_groups:
@@ -169,31 +185,40 @@ class KVConfig:
             ``hot_rows`` per request and source, host is the source of truth, eager backup) or ``adaptive``
             (hisparse plus optional device residency of imported pages while memory is spare).
         pool_bytes: device KV budget in bytes; everything the manager keeps on device is carved from it.
-        hot_rows: ``B``, hot-cache rows per request and source (ignored by ``resident``).
+        hot_rows: ``B``, hot-cache rows per request and source (ignored by ``resident``); 0 = the layout's
+            ``index_topk`` (:meth:`hot_rows_for`).
         page_rows: rows per page.
         reserve_bytes: admission reserve kept free at every change.
         refill_pages_per_step: the most optional pages (of any source) refilled from host per ``poll()``.
         max_query_len: the most new tokens per request per step: 1, or ``gamma + 1`` when speculating.
-        extra_required_bytes: further device bytes every request holds while admitted and never lends — the
-            speculative state (draft ring buffer and verification staging) when a drafter is configured.
+        draft_ring_bytes: device bytes of one request's draft ring buffer (the drafter's visible window) when a
+            drafter is configured; required memory, never lent. Verification staging is derived from the layout
+            and this config (:meth:`staging_rows`) and is required memory as well.
+        staging_share: fraction of its verification staging a request holds (and is charged for); 1 on a real
+            engine. Only the planner's scaled simulation sets it below 1: there one simulated index group stands
+            for several real ones, while a real GPU keeps one staging for all of its groups; the staging rows
+            then alias each other (the simulation's rows carry no payload).
+        model_state_bytes: per-request device bytes a model family keeps beside the hierarchy (deepseek_v4: the
+            sliding window, compressor pending state, indexer keys and HCA entries); required memory, never lent.
         host_bytes: capacity of the host store in bytes (``0``: half of the machine's physical memory). Every
             admitted request of a host-backed policy owns host pages for its whole capacity; an admission waits
             while they are not free.
     """
 
-    policy: str = "adaptive"
+    policy: str = defaults.KV_POLICY
     pool_bytes: int = 1 << 30
-    hot_rows: int = 2048
-    page_rows: int = 64
-    reserve_bytes: int = 0
-    refill_pages_per_step: int = 8
+    hot_rows: int = defaults.HOT_ROWS
+    page_rows: int = defaults.PAGE_ROWS
+    reserve_bytes: int = defaults.RESERVE_BYTES
+    refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     max_query_len: int = 1
-    extra_required_bytes: int = 0
+    draft_ring_bytes: int = 0
+    staging_share: float = 1.0
+    model_state_bytes: int = 0
     host_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in KV_POLICIES:
-            raise ConfigError(f"kv policy must be one of {KV_POLICIES}, got {self.policy!r}")
+        policy_named(self.policy, "kv policy", KV_POLICIES)
         if self.pool_bytes < 1:
             raise ConfigError(f"pool_bytes must be positive, got {self.pool_bytes}")
         if self.page_rows < 1:
@@ -204,25 +229,47 @@ class KVConfig:
             raise ConfigError(
                 f"reserve_bytes ({self.reserve_bytes}) must be smaller than pool_bytes ({self.pool_bytes})"
             )
-        if self.extra_required_bytes < 0:
-            raise ConfigError(f"extra_required_bytes must be >= 0, got {self.extra_required_bytes}")
+        if not 0.0 < self.staging_share <= 1.0:
+            raise ConfigError(f"staging_share must be in (0, 1], got {self.staging_share}")
+        if self.draft_ring_bytes < 0:
+            raise ConfigError(f"draft_ring_bytes must be >= 0, got {self.draft_ring_bytes}")
+        if self.model_state_bytes < 0:
+            raise ConfigError(f"model_state_bytes must be >= 0, got {self.model_state_bytes}")
         if self.host_bytes < 0:
             raise ConfigError(f"host_bytes must be >= 0 (0: from the machine's memory), got {self.host_bytes}")
         if self.max_query_len < 1:
             raise ConfigError(f"max_query_len must be >= 1, got {self.max_query_len}")
 
     @property
+    def kv_policy(self) -> KVPolicy:
+        """The policy object that owns this config's decisions (:mod:`dhisparse.kv.policies`)."""
+        return policy_named(self.policy, "kv policy", KV_POLICIES)
+
+    @property
     def uses_host(self) -> bool:
         """Whether history lives in the host store (every policy but ``resident``)."""
-        return self.policy != "resident"
+        return self.kv_policy.uses_host
+
+    def hot_rows_for(self, layout: KVLayout) -> int:
+        """``B`` for ``layout``: ``hot_rows``, or ``index_topk`` when it is 0; 0 without a hot cache."""
+        if not self.kv_policy.hot_cache:
+            return 0
+        return self.hot_rows or layout.index_topk
+
+    def staging_rows(self, layout: KVLayout) -> int:
+        """Verification staging rows per staging slot (one slot per source of the longest index group): the
+        most rows of one step's union of ``max_query_len`` selections that the hot cache cannot take,
+        ``max(0, max_query_len * index_topk - hot_rows)`` (0 without speculation or under ``resident``)."""
+        if not self.kv_policy.hot_cache or self.max_query_len == 1:
+            return 0
+        return max(0, self.max_query_len * layout.index_topk - self.hot_rows_for(layout))
 
     def validate_for(self, layout: KVLayout) -> None:
         """Refuse combinations with ``layout`` that cannot work (the message says what to change)."""
-        if not self.uses_host:
+        if not self.kv_policy.hot_cache:
             return
-        need = self.max_query_len * layout.index_topk
-        if self.hot_rows < need:
+        if self.hot_rows_for(layout) < layout.index_topk:
             raise ConfigError(
-                f"hot_rows (B={self.hot_rows}) must hold one step's selection: max_query_len "
-                f"({self.max_query_len}) x index_topk ({layout.index_topk}) = {need}; raise hot_rows to >= {need}"
+                f"hot_rows (B={self.hot_rows}) must hold one query's selection, index_topk "
+                f"({layout.index_topk}); raise hot_rows to >= {layout.index_topk}"
             )

@@ -38,16 +38,33 @@ class CopyTicket:
     num_rows: int
     on_done: Callable[[], None] | None = None
     done: bool = False
+    error: BaseException | None = None  # the copy failed: it never becomes done and ``on_done`` never runs
     # CPU: the deferred operation; CUDA: completion event and tensors kept alive until then.
     _run: Callable[[], None] | None = field(default=None, repr=False)
     _event: object | None = field(default=None, repr=False)
     _finish: Callable[[], None] | None = field(default=None, repr=False)
+    watched: torch.Tensor | None = field(default=None, repr=False)  # see CopyEngine.issue_gather
+
+
+class CopyError(RuntimeError):
+    """A copy failed. ``ticket`` is the failed copy (``ticket.error`` the cause); it has left the queue, so the
+    copies behind it still complete. Its destination rows are undefined and its ``on_done`` never runs: the
+    owner of the memory it touched has to be ended (the engine fails that work's requests)."""
+
+    def __init__(self, ticket: CopyTicket) -> None:
+        super().__init__(f"{ticket.kind} copy #{ticket.ticket_id} of {ticket.num_rows} rows failed: {ticket.error!r}")
+        self.ticket = ticket
 
 
 class CopyEngine:
-    """Issues row copies between tiers and completes them at defined points (see module docstring)."""
+    """Issues row copies between tiers and completes them at defined points (see module docstring).
+
+    A copy that raises while completing is marked failed and raises :class:`CopyError` from the ``poll`` /
+    ``wait`` / ``wait_all`` that completed it; a failed ticket is not live (its owner may be freed).
+    ``fault_hook(kind)``, when set, is called before each copy completes (fault injection)."""
 
     def __init__(self, device: torch.device, sync: HostSync | None = None) -> None:
+        self.fault_hook: Callable[[str], None] | None = None
         self.device = device
         self.sync = sync
         self.is_cuda = device.type == "cuda"
@@ -55,6 +72,7 @@ class CopyEngine:
         self._pending: deque[CopyTicket] = deque()
         self._next_id = 0
         self.rows_copied: dict[str, int] = {}
+        self.copies_failed = 0
 
     @property
     def num_pending(self) -> int:
@@ -98,6 +116,10 @@ class CopyEngine:
         stream = self._stream
         assert stream is not None
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Stream safety: every tensor the copy stream touches stays referenced by the ticket until its event
+        # has completed, and device tensors allocated on the current stream are recorded on the copy stream,
+        # so the caching allocator cannot hand their memory to other work while the copy still reads them.
+        self._record_on_copy_stream(dst, dst_rows, src, src_rows)
         with torch.cuda.stream(stream):
             if src.device.type == "cpu" and dst.device.type == "cpu":
                 dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
@@ -106,27 +128,104 @@ class CopyEngine:
                 staged = src.index_select(0, src_rows).pin_memory()
                 moved = staged.to(dst.device, non_blocking=True)
                 dst.index_copy_(0, dst_rows, moved)
-                keep = (staged, moved, dst_rows)
+                keep = (staged, moved)
             elif dst.device.type == "cpu":
                 gathered = src.index_select(0, src_rows)
                 staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                 staged.copy_(gathered, non_blocking=True)
-                keep = (gathered, src_rows)
+                keep = (gathered, staged)
                 ticket._finish = lambda: dst.index_copy_(0, dst_rows, staged)
             else:
                 dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
-                keep = (dst_rows, src_rows)
+                keep = ()
             event = torch.cuda.Event()
             event.record(stream)
-        ticket._event = (event, keep)
+        ticket._event = (event, (*keep, src, src_rows, dst, dst_rows))
+
+    def _record_on_copy_stream(self, *tensors: torch.Tensor) -> None:
+        assert self._stream is not None
+        for t in tensors:
+            if t.device.type == "cuda":
+                t.record_stream(self._stream)
+
+    def issue_gather(
+        self,
+        kind: str,
+        dst: torch.Tensor,
+        dst_rows: torch.Tensor,
+        host: torch.Tensor,
+        src_rows: torch.Tensor,
+        launch: Callable[..., None],
+        on_done: Callable[[], None] | None = None,
+        watch: torch.Tensor | None = None,
+    ) -> CopyTicket:
+        """Issue ``dst[dst_rows[r, i]] = host[src_rows[r, i]]`` for every ``src_rows >= 0`` on the copy stream
+        with ``launch(host, dst, src_rows, dst_rows, stream=…)`` (the CUDA row-copy kernel reading pinned
+        ``host`` directly). ``src_rows`` / ``dst_rows`` ``[R, M]`` on the device, ``-1`` padded: the number of
+        rows is counted on the device and known when the ticket is done, so issuing never waits for the host.
+        ``watch`` (a small device tensor, e.g. the resolver's status column) is copied to pinned memory in the
+        same stream order and exposed as ``ticket.watched`` once done. On CPU the copy is deferred as usual."""
+        ticket = CopyTicket(self._next_id, kind, 0, on_done)
+        self._next_id += 1
+        stream = self._stream
+        if stream is None:  # CPU: deferred like every CPU copy (lets tests drive this path with torch kernels)
+            def run() -> None:
+                launch(host, dst, src_rows, dst_rows, stream=None)
+                ticket.num_rows = int((src_rows >= 0).sum())
+                ticket.watched = None if watch is None else watch.clone()
+
+            ticket._run = run
+            self._pending.append(ticket)
+            return ticket
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        extra = () if watch is None else (watch,)
+        self._record_on_copy_stream(dst, dst_rows, src_rows, *extra)
+        with torch.cuda.stream(stream):
+            launch(host, dst, src_rows, dst_rows, stream=stream)
+            count = torch.empty((), dtype=torch.int64, pin_memory=True)
+            count.copy_((src_rows >= 0).sum(), non_blocking=True)
+            watched = None
+            if watch is not None:
+                watched = torch.empty(watch.shape, dtype=watch.dtype, pin_memory=True)
+                watched.copy_(watch, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+
+        def finish() -> None:
+            ticket.num_rows = int(count)
+            ticket.watched = watched
+
+        ticket._finish = finish
+        ticket._event = (event, (host, dst, src_rows, dst_rows, count, *extra))
+        self._pending.append(ticket)
+        return ticket
+
+    def wait_for_read(self, ticket: CopyTicket | None) -> None:
+        """Make the destination rows of ``ticket`` readable by work issued next on the current stream. CPU:
+        :meth:`wait`. CUDA: the current stream waits for the ticket's event (no host synchronisation); the
+        ticket completes (``on_done``) at a later ``poll`` / ``wait``."""
+        if ticket is None or ticket.done:
+            return
+        if ticket._event is None:
+            self.wait(ticket)
+            return
+        torch.cuda.current_stream(self.device).wait_event(ticket._event[0])  # type: ignore[index]
 
     def _complete(self, ticket: CopyTicket) -> None:
-        if ticket._run is not None:
-            ticket._run()
-        elif ticket._event is not None:
-            ticket._event[0].synchronize()  # type: ignore[index]
-            if ticket._finish is not None:
-                ticket._finish()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(ticket.kind)
+            if ticket._run is not None:
+                ticket._run()
+            elif ticket._event is not None:
+                ticket._event[0].synchronize()  # type: ignore[index]
+                if ticket._finish is not None:
+                    ticket._finish()
+        except Exception as exc:
+            ticket.error = exc
+            ticket._run = ticket._event = ticket._finish = None
+            self.copies_failed += 1
+            raise CopyError(ticket) from exc
         ticket._run = ticket._event = ticket._finish = None
         ticket.done = True
         self.rows_copied[ticket.kind] = self.rows_copied.get(ticket.kind, 0) + ticket.num_rows
@@ -147,8 +246,11 @@ class CopyEngine:
         return count
 
     def wait(self, ticket: CopyTicket | None) -> None:
-        """Block until ``ticket`` is done; every copy issued before it completes as well."""
+        """Block until ``ticket`` is done; every copy issued before it completes as well. Raises
+        :class:`CopyError` if a copy completed here fails, or if ``ticket`` has failed before."""
         while ticket is not None and not ticket.done:
+            if ticket.error is not None:
+                raise CopyError(ticket)
             self._complete(self._pending.popleft())
 
     def wait_all(self) -> None:

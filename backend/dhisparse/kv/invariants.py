@@ -49,7 +49,8 @@ def check_manager_invariants(m: KVManager) -> None:
     optional = sum(r.optional_pages_on_device() for r in alive) * pool.page_bytes
     if optional != pool.optional_bytes:
         _fail("optional accounting", f"pool says {pool.optional_bytes}, requests hold {optional}")
-    owned = [torch.cat([r.tail_ring.reshape(-1), r.hot_pages.reshape(-1), r.opt_page[r.opt_page >= 0]])
+    owned = [torch.cat([r.tail_ring.reshape(-1), r.hot_pages.reshape(-1), r.staging_pages,
+                        r.opt_page[r.opt_page >= 0]])
              for r in alive]
     owned_pages = torch.cat(owned) if owned else torch.zeros(0, dtype=torch.int64)
     if owned_pages.unique().numel() != owned_pages.numel():

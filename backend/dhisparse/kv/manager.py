@@ -29,12 +29,13 @@ Host reads: a step reads the device once (``end_step``), or not at all when the 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from dhisparse.kv import residency
 from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
-from dhisparse.kv.copies import CopyEngine, ReaderFence
+from dhisparse.kv.copies import CopyEngine, CopyError, CopyTicket, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
 from dhisparse.kv.host_store import HostStore
@@ -45,14 +46,25 @@ from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
 from dhisparse.kv.step import StepKV
 from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
 
+if TYPE_CHECKING:
+    from dhisparse.kernels.selection import KernelSelection
+
 
 class KVManager:
     """Load-adaptive KV hierarchy for one model (see the module docstring for the protocol)."""
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device | str = "cpu",
-                 poison_freed: bool = False, debug_checks: bool = False, host_chunk_bytes: int | None = None) -> None:
+                 poison_freed: bool = False, debug_checks: bool = False, host_chunk_bytes: int | None = None,
+                 kernels: KernelSelection | None = None) -> None:
         config.validate_for(layout)
+        # Which implementation resolves, fetches and attends (dhisparse.kernels.selection); torch by default.
+        if kernels is None:
+            from dhisparse.kernels.selection import torch_selection  # late: kernels imports kv.resolver
+
+            kernels = torch_selection("default")
+        self.kernels = kernels
         self.layout, self.config = layout, config
+        self.policy = config.kv_policy  # owns the policy decisions (dhisparse.kv.policies)
         self.device = torch.device(device)
         self.indexer_layers = frozenset(layout.indexer_layers)
         self.pool = DevicePool(layout, config, self.device, poison_freed)
@@ -72,9 +84,18 @@ class KVManager:
         self.step: StepKV | None = None
 
     # ---------------------------------------------------------------------------------------- admission
+    def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
+        """What a request of this size reserves at admission (non-speculative and speculative parts)."""
+        return request_footprint(self.layout, self.config, prompt_len, max_new_tokens)
+
     def required_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
         """Device bytes a request reserves at admission under the configured policy."""
-        return request_footprint(self.layout, self.config, prompt_len, max_new_tokens).required_bytes
+        return self.footprint(prompt_len, max_new_tokens).required_bytes
+
+    @property
+    def staging_overflow_bytes_per_request(self) -> int:
+        """Arena bytes of one request's verification staging for overflow rows (fixed by the config)."""
+        return self.footprint(1, 1).staging_overflow_bytes
 
     def host_pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Host pages a request owns while admitted (0 for ``resident``)."""
@@ -96,7 +117,7 @@ class KVManager:
             f"the request needs {need} device bytes ({self.config.policy}: prompt {prompt_len} + max_new_tokens "
             f"{max_new_tokens}) but pool_bytes {self.config.pool_bytes} - reserve_bytes {self.config.reserve_bytes} "
             f"leaves {self.config.pool_bytes - self.config.reserve_bytes}; raise pool_bytes, lower reserve_bytes or "
-            "max_new_tokens" + ("" if self.config.uses_host else ", or use kv policy 'adaptive' / 'hisparse'")
+            "max_new_tokens" + self.policy.admission_hint
         )
 
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
@@ -111,7 +132,7 @@ class KVManager:
             raise AdmissionError(f"request {request_id!r}: {reason}")
         self._free_safe()
         deficit = fp.required_bytes - self.pool.spare_bytes
-        if deficit > 0 and self.config.policy == "adaptive":
+        if deficit > 0 and self.policy.reclaims:
             if self._reclaim_for(deficit) and self.step is None:
                 # Between steps the freed memory need not wait for the next poll: complete the outstanding
                 # copies (backups) and wait for the last step's readers, as a GPU would wait on its streams.
@@ -168,14 +189,16 @@ class KVManager:
         self.pool.reserve_required(fp.required_bytes)
         pages = self.pool.allocate(sources * fp.device_pages).view(sources, fp.device_pages)
         hot_pages = pages[:, fp.tail_pages :].contiguous()
-        hot_rows = cfg.hot_rows if cfg.uses_host else 0
+        hot_rows = cfg.hot_rows_for(layout)
         hot_loc = self.pool.page_rows_of(hot_pages.reshape(-1)).view(sources, -1)[:, :hot_rows].contiguous()
+        staging_pages = self.pool.allocate(fp.staging_pages)
+        staging_loc = fp.staging_locations(cfg.page_rows, staging_pages.to(dev))
         host_pages = None
-        if cfg.uses_host:
+        if self.policy.uses_host:
             taken = self.host.allocate(sources * fp.num_pages)
             assert taken is not None, "try_admit checked the free host pages"
             host_pages = taken.view(sources, -1)
-        prompt_pages = prompt_len // cfg.page_rows if cfg.policy == "adaptive" else 0
+        prompt_pages = self.policy.optional_prompt_pages(prompt_len, cfg.page_rows)
         req = RequestKV(
             request_id=request_id, prompt_len=prompt_len, max_new_tokens=max_new_tokens, footprint=fp,
             admit_order=self._admissions,
@@ -193,6 +216,7 @@ class KVManager:
                 for layer in layout.indexer_layers
             },
             ring_free_epoch=torch.zeros(fp.tail_pages, dtype=torch.int64),
+            staging_pages=staging_pages, staging_loc=staging_loc,
         )
         self._admissions += 1
         self.requests[request_id] = req
@@ -224,7 +248,7 @@ class KVManager:
                                  f"{self.layout.index_key_dim}], got {list(keys.shape)}")
             req.index_keys[layer][: req.prompt_len] = keys.to(self.device, self.layout.dtype)
         rows = self.layout.encode(rows)
-        residency.import_prompt_rows(req, rows, self.config.policy, self.pool, self.host, self.copies)
+        residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
         req.imported = True
         self.check_budget()
 
@@ -241,11 +265,16 @@ class KVManager:
         for req in reqs:
             if not req.imported:
                 raise ValueError(f"request {req.request_id!r} has no imported prompt yet")
-            last = req.length + query_len - 1
-            if last >= req.footprint.capacity_rows:
+            if req.length + query_len - 1 >= req.footprint.capacity_rows:
                 raise ValueError(f"request {req.request_id!r} would exceed prompt_len + max_new_tokens")
-            self.copies.wait(req.import_ticket)
-            map_tail_pages(req, last, self.config.page_rows, self.copies, self.fence)
+        try:
+            for req in reqs:
+                self.copies.wait(req.import_ticket)
+                map_tail_pages(req, req.length + query_len - 1, self.config.page_rows, self.copies, self.fence)
+        except Exception:
+            for req in reqs:  # a failed copy: no step opens, so no page past a request's length stays mapped
+                unmap_rejected(req, req.length + query_len, self.config.page_rows)
+            raise
         self.fence.begin()
         self.sync.mark_step()
         self._steps += 1
@@ -278,13 +307,14 @@ class KVManager:
             unmap_rejected(req, start + q, self.config.page_rows)
             req.hot_pos.copy_(step.hot_pos[b])
             req.hot_stamp.copy_(step.hot_stamp[b])
-            direct, hot, host = (float(v) for v in counts[b])
+            direct, hot, host, staged = (float(v) for v in counts[b])
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
+                                ("rows_staged", staged),
                                 ("resolved_rows", direct + hot + host), ("host_fetched_rows", host),
                                 ("host_fetched_bytes", host * self.layout.row_bytes)):
                 req.add_stat(name, value)
                 self.counters[name] += value
-            if self.config.uses_host:
+            if self.policy.uses_host:
                 n = back_up_complete_pages(req, self.pool, self.host, self.copies, self.fence,
                                            self.config.page_rows)
                 self.counters["tail_pages_backed_up"] += n
@@ -294,12 +324,48 @@ class KVManager:
         self.counters["steps"] += 1
         self.counters["resolver_calls"] += step.resolver_calls
 
+    def abort_step(self) -> None:
+        """Roll back the open step after a fault in its forward: every provisional row is dropped (as if each
+        request accepted 0 rows), no statistic is counted, nothing is backed up. The hot caches keep their
+        state from before the step except the slots this step refilled (their rows changed): those are
+        emptied. The step's fetches are completed first (a failed one is dropped), so no copy into a slot
+        outlives the step. The step's device-side checks (deferred flags) are cleared unread: a fault's own
+        error is what the caller reports. Requests stay admitted; the caller releases the ones that failed."""
+        step = self.step
+        if step is None:
+            return
+        try:
+            step.wait_fetches()
+        except CopyError:
+            pass  # the failed copy has left the queue; the slots it targeted are emptied below
+        for b, req in enumerate(step.requests):
+            start = req.length
+            for keys in req.index_keys.values():
+                keys[start : start + step.query_len] = 0
+            unmap_rejected(req, start + step.query_len, self.config.page_rows)
+            changed = step.hot_pos[b] != req.hot_pos
+            req.hot_pos.masked_fill_(changed, -1)
+            req.hot_stamp.masked_fill_(changed, 0)
+        step.reset_checks()  # the rolled-back step's device flags and counts are never reported
+        step.closed = True
+        self.step = None
+        self.fence.end()
+        self.counters["steps_aborted"] += 1
+
+    def owners_of(self, ticket: CopyTicket) -> list[str]:
+        """Running requests whose memory a (failed) copy touched: the owner of an import, backup or refill, or
+        every request of the open step for its row fetches. Empty for a released request's copies."""
+        owners = [rid for rid, r in self.requests.items() if any(t is ticket for t in r.tickets)]
+        if not owners and self.step is not None and ticket.kind == "fetch":
+            owners = [r.request_id for r in self.step.requests]
+        return owners
+
     # ---------------------------------------------------------------------------------------- progress
     def poll(self) -> None:
         """Complete ready copies, free what is safe to free, refill optional pages (bounded, round-robin)."""
         self.copies.poll()
         self._free_safe()
-        if self.config.policy == "adaptive" and not self.waiting and self.step is None:
+        if self.policy.refills and not self.waiting and self.step is None:
             self._refill()
         self.check_budget()
 
@@ -353,7 +419,7 @@ class KVManager:
         residency.free_retired_pages(req, self.pool, self.fence)
         on_device = req.opt_page[req.opt_page >= 0]
         self.pool.free(on_device, optional=True)
-        self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1)]))
+        self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1), req.staging_pages]))
         if req.host_pages is not None:
             self.host.free(req.host_pages)
         self.pool.release_required(req.footprint.required_bytes)
@@ -366,6 +432,10 @@ class KVManager:
         out["optional_bytes"] = float(self.pool.optional_bytes)
         out["reserve_bytes"] = float(self.pool.reserve_bytes)
         out["pool_bytes"] = float(self.pool.pool_bytes)
+        alive_fps = [r.footprint for r in (*self.requests.values(), *(r for r, _ in self.releasing))]
+        out["ring_bytes"] = float(sum(fp.ring_bytes for fp in alive_fps))
+        out["staging_bytes"] = float(sum(fp.staging_bytes for fp in alive_fps))
+        out["speculative_bytes"] = float(sum(fp.speculative_bytes for fp in alive_fps))
         out["spare_bytes"] = float(self.pool.spare_bytes)
         out["optional_pages_resident"] = float(sum(request_gauges(r)["optional_pages_resident"]
                                                    for r in self.requests.values()))
@@ -375,10 +445,12 @@ class KVManager:
         out["requests_waiting"] = float(len(self.waiting))
         out["requests_releasing"] = float(len(self.releasing))
         out["copies_pending"] = float(self.copies.num_pending)
+        out["copies_failed"] = float(self.copies.copies_failed)
         out["host_pages_used"] = float(self.host.used_pages)
         out["host_pages"] = float(self.host.num_pages)
         out["host_bytes_allocated"] = float(self.host.rows.nbytes)
         out["host_syncs"] = float(self.sync.reads)
+        out.update(self.kernels.stats())
         return {f"kv_{name}": value for name, value in out.items()}
 
     def request_stats(self, request_id: str) -> dict[str, float]:

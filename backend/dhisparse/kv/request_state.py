@@ -10,6 +10,10 @@ Positions of a request are split into pages of ``page_rows``. For every source `
   ``i % tail_pages``. Pages ``tail_first .. (length-1) // page_rows`` are in the tail (mapped). A complete
   tail page is backed up to host; once its backup is done it leaves the tail (unmapped) and its ring slot
   may be reused once the readers issued before that point have finished (``ring_free_epoch``).
+- **Verification staging** (host-backed policies with a drafter and ``B < max_query_len * index_topk``):
+  ``staging_loc[j]`` are the arena rows of staging slot ``j``; a verification step copies the rows of its
+  union of selections that the hot cache cannot take into the slot of their source's position in its index
+  group. They are valid for that step only (never looked up again) and are reused by the next group.
 - **Optional pages** (adaptive only) are complete pages of the imported prompt, ``i < prompt_pages``,
   with the state machine ``OPT_*`` below (``opt_state[s, i]``, ``opt_page[s, i]``).
 """
@@ -57,6 +61,8 @@ class RequestKV:
     imported: bool = False
     tail_first: int = 0  # first page index still in the tail
     ring_free_epoch: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    staging_pages: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # CPU
+    staging_loc: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0, dtype=torch.int64))  # [G, T]
     tickets: list[CopyTicket] = field(default_factory=list)  # copies touching this request's memory
     backup_tickets: dict[int, CopyTicket] = field(default_factory=dict)  # tail page -> backup in flight
     import_ticket: CopyTicket | None = None  # prompt pages → host, until done
@@ -78,7 +84,7 @@ class RequestKV:
         return self.tail_ring.shape[1]
 
     def live_tickets(self) -> list[CopyTicket]:
-        self.tickets = [t for t in self.tickets if not t.done]
+        self.tickets = [t for t in self.tickets if not t.done and t.error is None]
         return self.tickets
 
     def add_stat(self, name: str, value: float) -> None:

@@ -20,6 +20,7 @@ import torch
 from dhisparse.kv.copies import CopyEngine, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID, HostStore
+from dhisparse.kv.policies import KVPolicy
 from dhisparse.kv.request_state import (
     OPT_ABSENT,
     OPT_BACKING_UP,
@@ -38,10 +39,10 @@ def _page_rows(pages: torch.Tensor, page_rows: int) -> torch.Tensor:
     return (pages.unsqueeze(1) * page_rows + torch.arange(page_rows, device=pages.device)).reshape(-1)
 
 
-def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: str, pool: DevicePool, host: HostStore,
+def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: KVPolicy, pool: DevicePool, host: HostStore,
                        copies: CopyEngine) -> None:
-    """Place the prefill's rows ``[S, T, row_dim]``: tail and (adaptive) optional pages on device now,
-    the remaining complete pages to host through an ``import`` copy (``req.import_ticket``)."""
+    """Place the prefill's rows ``[S, T, row_dim]``: tail and (policies with optional pages) optional pages on
+    device now, the remaining complete pages to host through an ``import`` copy (``req.import_ticket``)."""
     num_sources, length, _ = rows.shape
     page_rows = pool.page_rows
     device = pool.arena.device
@@ -50,7 +51,7 @@ def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: str, pool: De
     req.length = length
 
     # Tail: every page for resident, else the partial last page of the prompt.
-    req.tail_first = 0 if policy == "resident" else length // page_rows
+    req.tail_first = policy.tail_first_page(length, page_rows)
     first_tail_pos = req.tail_first * page_rows
     if first_tail_pos < length:
         pos = torch.arange(first_tail_pos, length)
@@ -59,15 +60,15 @@ def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: str, pool: De
         dst = req.tail_ring[:, (pos // page_rows) % req.tail_pages] * page_rows + pos % page_rows
         pool.arena.index_copy_(0, dst.reshape(-1).to(device), flat[(src_base + pos).reshape(-1).to(flat.device)]
                                .to(device))
-    if policy == "resident":
+    if not policy.uses_host:
         return
 
-    # Complete prompt pages: adaptive keeps as many as the budget allows on device, page-major.
-    prompt_pages = req.prompt_pages if policy == "adaptive" else length // page_rows
+    # Complete prompt pages: a policy with optional pages keeps as many as the budget allows on device, page-major.
+    prompt_pages = length // page_rows
     order = torch.arange(prompt_pages).unsqueeze(0) * num_sources + torch.arange(num_sources).unsqueeze(1)
     keep_count = 0
-    if policy == "adaptive":
-        keep_count = min(prompt_pages * num_sources, max(pool.spare_bytes, 0) // pool.page_bytes)
+    if req.prompt_pages:
+        keep_count = min(req.prompt_pages * num_sources, max(pool.spare_bytes, 0) // pool.page_bytes)
     keep = order < keep_count  # [S, prompt_pages]
     if keep_count > 0:
         pages = pool.allocate(keep_count, optional=True)

@@ -20,6 +20,8 @@ Inputs, for ``R`` requests of one KV source
 ``hot_loc``    ``[R, B]`` int64. Device arena row of each slot (fixed for the life of the cache).
 ``stamp``      int, the current step's stamp; larger than every stamp in ``hot_stamp``.
 ``page_rows``  int, rows per page ``P``.
+``staging_loc`` optional ``[R, T]`` int64. Device arena rows of the request's verification staging for this
+               source (``T`` may be 0). Only used when a step misses more rows than the hot cache can take.
 
 Semantics, for each request ``r`` independently (``U`` = the distinct valid positions of row ``r``)
 ---------------------------------------------------------------------------------------------------
@@ -33,8 +35,13 @@ Semantics, for each request ``r`` independently (``U`` = the distinct valid posi
    current step needs is never evicted), empty slots first, then occupied slots by ascending
    ``hot_stamp``; ties by ascending slot index. Miss ``m_k`` takes the ``k``-th slot of that order:
    ``hot_pos = m_k``, ``hot_stamp = stamp``, location ``hot_loc`` of that slot, and a copy-list entry
-   ``(r, m_k, slot, hot_loc[r, slot])``. More misses than candidate slots raises
-   :class:`HotCacheOverflowError` (the hot cache ``B`` is smaller than the step's selection).
+   ``(r, m_k, slot, hot_loc[r, slot])``.
+4. **Verification staging** (overflow): with ``E`` candidate slots, misses ``m_E, m_E+1, ...`` (the largest
+   positions) do not enter the hot cache: miss ``m_{E+j}`` resolves to ``staging_loc[r, j]`` with a copy-list
+   entry ``(r, m_{E+j}, -1, staging_loc[r, j])``; the hot cache's positions and stamps are not changed for
+   them, so no row another query of the step needs is evicted and what enters the hot cache (and the LRU
+   order) is the same as with a larger cache. More overflow rows than ``T`` raises
+   :class:`HotCacheOverflowError`.
 
 Every entry of ``positions`` equal to ``p`` receives ``p``'s location and step code. The copy list is
 ordered by request, then ascending position. The inputs are not modified.
@@ -71,13 +78,14 @@ class Resolution:
         copy_position: ``[C]`` int64 token position of each row to copy.
         copy_slot: ``[C]`` int64 hot-cache slot it is copied into.
         copy_location: ``[C]`` int64 device arena row it is copied into (``hot_loc`` of that slot).
-        counts: ``[R, 3]`` int64 distinct positions resolved at steps 1, 2 and 3 per request.
+        counts: ``[R, 3]`` int64 distinct positions resolved at steps 1, 2 and 3 per request (3 includes staged).
+        staged: ``[R]`` int64 distinct positions copied into verification staging (a subset of step 3).
         fetch_mask: ``[R, N]`` bool, the copy list in fixed shape (entries in each request's ascending position
-            order; ``True`` exactly for the copy-list entries), so a caller can copy without reading the list's
-            length on the host. ``fetch_position`` / ``fetch_location``: ``[R, N]`` int64 position and arena row
-            of each entry (meaningful where ``fetch_mask``).
-        overflow: ``[R]`` bool, requests whose misses exceed their evictable slots (only when the caller asked
-            :func:`resolve` not to raise; their locations are then not valid).
+            order; ``True`` exactly for the copy-list entries, staged ones included), so a caller can copy
+            without reading the list's length on the host. ``fetch_position`` / ``fetch_location``: ``[R, N]``
+            int64 position and arena row (hot slot or staging row) of each entry (meaningful where ``fetch_mask``).
+        overflow: ``[R]`` bool, requests whose misses exceed their evictable slots plus staging rows (only when
+            the caller asked :func:`resolve` not to raise; their locations are then not valid).
     """
 
     locations: torch.Tensor
@@ -89,6 +97,7 @@ class Resolution:
     copy_slot: torch.Tensor
     copy_location: torch.Tensor
     counts: torch.Tensor
+    staged: torch.Tensor
     fetch_mask: torch.Tensor | None = None
     fetch_position: torch.Tensor | None = None
     fetch_location: torch.Tensor | None = None
@@ -103,6 +112,7 @@ def resolve(
     hot_loc: torch.Tensor,
     stamp: int,
     page_rows: int,
+    staging_loc: torch.Tensor | None = None,
     *,
     on_device: bool = False,
 ) -> Resolution:
@@ -158,13 +168,14 @@ def resolve(
     miss_first = miss & first
     num_miss = miss_first.sum(dim=1)
     num_candidates = (~hit_mask).sum(dim=1)
-    overflow = num_miss > num_candidates
+    num_staging = 0 if staging_loc is None else staging_loc.shape[1]
+    overflow = num_miss > num_candidates + num_staging
     if not on_device and bool(overflow.any()):
         r = int(torch.nonzero(overflow)[0, 0])
         raise HotCacheOverflowError(
             f"request row {r} misses {int(num_miss[r])} rows but its hot cache has only "
-            f"{int(num_candidates[r])} evictable of {num_slots} slots; raise hot_rows (B) to at least "
-            "the number of distinct rows one step can select"
+            f"{int(num_candidates[r])} evictable of {num_slots} slots and {num_staging} staging rows; raise "
+            "hot_rows (B) to at least the number of distinct rows one step can select"
         )
     key_max = torch.iinfo(torch.int64).max
     evict_key = torch.where(hot_pos < 0, torch.full_like(hot_stamp, -1), hot_stamp)
@@ -176,9 +187,18 @@ def resolve(
     else:
         victim = torch.zeros_like(safe_pos)
 
+    # Misses past the evictable slots go to verification staging, in ascending position order.
+    stage_rank = miss_rank - num_candidates.unsqueeze(1)
+    staged = miss & (stage_rank >= 0)
+    cached_miss_first = miss_first & ~staged
+
     # Locations in sorted order, then back to the caller's order.
     slot = torch.where(hot, hit_slot, victim)
     slot_loc = hot_loc.gather(1, slot) if num_slots > 0 else torch.full_like(safe_pos, -1)
+    if num_staging > 0:
+        assert staging_loc is not None
+        stage_loc = staging_loc.gather(1, stage_rank.clamp(min=0, max=num_staging - 1))
+        slot_loc = torch.where(staged, stage_loc, slot_loc)
     loc_sorted = torch.where(direct, direct_loc, torch.where(valid, slot_loc, -1))
     step_sorted = torch.where(
         direct, STEP_DIRECT, torch.where(hot, STEP_HOT, torch.where(miss, STEP_HOST, STEP_UNUSED))
@@ -187,21 +207,22 @@ def resolve(
     steps = torch.empty_like(step_sorted).scatter_(1, perm, step_sorted)
 
     # New LRU state: hit slots and victim slots take the current stamp; victims take their miss.
-    touched = torch.where(hot | miss_first, slot, num_slots)
+    touched = torch.where(hot | cached_miss_first, slot, num_slots)
     new_stamp = torch.cat([hot_stamp, hot_stamp.new_zeros(num_requests, 1)], dim=1).scatter(
         1, touched, torch.full_like(touched, int(stamp))
     )[:, :num_slots]
-    placed = torch.where(miss_first, victim, num_slots)
+    placed = torch.where(cached_miss_first, victim, num_slots)
     new_pos = torch.cat([hot_pos, hot_pos.new_zeros(num_requests, 1)], dim=1)
     new_pos = new_pos.scatter(1, placed, sorted_pos)[:, :num_slots]
 
-    counts = torch.stack([(direct & first).sum(1), (hot & first).sum(1), num_miss], dim=1)
-    fetch_location = slot_loc if num_slots > 0 else torch.full_like(safe_pos, -1)
     if on_device:
         copy_rows = copy_cols = torch.zeros(0, dtype=torch.int64, device=device)
     else:
         copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
-    copy_slot = victim[copy_rows, copy_cols]
+    copy_staged = staged[copy_rows, copy_cols]
+    copy_slot = torch.where(copy_staged, -1, victim[copy_rows, copy_cols])
+    copy_location = slot_loc[copy_rows, copy_cols]
+    counts = torch.stack([(direct & first).sum(1), (hot & first).sum(1), num_miss], dim=1)
     return Resolution(
         locations=locations,
         steps=steps,
@@ -210,10 +231,11 @@ def resolve(
         copy_request=copy_rows,
         copy_position=sorted_pos[copy_rows, copy_cols],
         copy_slot=copy_slot,
-        copy_location=hot_loc[copy_rows, copy_slot] if num_slots > 0 else copy_slot,
+        copy_location=copy_location,
         counts=counts,
+        staged=(staged & first).sum(1),
         fetch_mask=miss_first,
         fetch_position=safe_pos,
-        fetch_location=fetch_location,
+        fetch_location=slot_loc,
         overflow=overflow,
     )

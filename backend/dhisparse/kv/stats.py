@@ -7,9 +7,11 @@ from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
 # Cumulative engine-wide counters kept by the manager (stats() adds the gauges below).
 ENGINE_COUNTERS = (
     "steps",  # end_step calls
+    "steps_aborted",  # abort_step calls (a fault in the step's forward rolled it back)
     "rows_direct",  # distinct selected rows resolved at step 1 (tail or ready optional page)
     "rows_hot",  # ... at step 2 (hot cache hit)
     "rows_host",  # ... at step 3 (copied from host) == host-fetched rows
+    "rows_staged",  # ... of which copied into verification staging (the hot cache could not take them)
     "resolved_rows",  # rows_direct + rows_hot + rows_host
     "host_fetched_rows",  # == rows_host
     "host_fetched_bytes",  # rows_host * row bytes
@@ -31,6 +33,7 @@ REQUEST_COUNTERS = (
     "rows_direct",
     "rows_hot",
     "rows_host",
+    "rows_staged",
     "resolved_rows",
     "host_fetched_rows",
     "host_fetched_bytes",
@@ -47,6 +50,9 @@ def request_gauges(req: RequestKV) -> dict[str, float]:
     return {
         "length": float(req.length),
         "required_bytes": float(req.footprint.required_bytes),
+        "speculative_bytes": float(req.footprint.speculative_bytes),  # ring + staging (0 without a drafter)
+        "ring_bytes": float(req.footprint.ring_bytes),
+        "staging_bytes": float(req.footprint.staging_bytes),
         "optional_pages_resident": float(resident),
         "optional_pages_on_device": float(req.optional_pages_on_device()),
         "optional_bytes": float(req.optional_pages_on_device() * page_bytes),

@@ -13,6 +13,18 @@ once per step (:meth:`report`, read by ``end_step`` or fused into the engine's o
 ``KVManager(debug_checks=True)`` the checks are read and raised at once instead. Host copies of missing rows
 use the resolver's fixed-shape copy list (``fetch_*``): rows that are not misses are copied into the arena's
 scratch row, so the list's length is never needed on the host.
+
+Verification staging: rows of a step's union of selections that the hot cache cannot take are copied from
+host straight into the request's staging slot of the source's position in its index group (one slot per
+group position, :attr:`KVLayout.staging_slots`); the location vector points there, so attention reads every
+row through one vector from the arena, a hot slot or staging. Staged rows are entries of the same fixed-shape
+copy list (no extra host read). The next group's resolution reuses the slots;
+copies are issued after the work already queued (on CUDA the copy stream waits for the current stream, i.e.
+for the previous group's attention), and a resolved entry whose staged rows were overwritten is dropped, so a
+later layer sharing that source resolves again instead of reading another source's rows.
+
+CUDA kernels (``dhisparse.kv.kernel_step``): a step without verification staging whose history is not all
+direct resolves and fetches with the resolver and row-copy kernels; :meth:`attend` runs sparse MLA on them.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.kv import kernel_step
 from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
 from dhisparse.kv.resolver import HotCacheOverflowError, resolve
@@ -35,13 +48,16 @@ class _Resolved:
     positions: torch.Tensor  # [B, X, K] as passed by the model
     locations: torch.Tensor  # [B, X*K] arena row of every entry (-1 where unused)
     ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
+    staging_slot: int
+    staged: bool  # rows may live in the staging slot
 
 # Error flags accumulated on the device during a step (read once, see ``report``).
 FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
 _FLAG_MESSAGES = (
     "gather: a selected position is at or past the request's length",
-    "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots; "
-    "raise hot_rows (B) to at least the number of distinct rows one step can select",
+    "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots "
+    "plus verification staging rows; raise hot_rows (B) to at least the number of distinct rows one step can "
+    "select",
     "tail page of a new row is not mapped (begin_step broke its contract)",
 )
 
@@ -96,12 +112,15 @@ class StepKV:
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
+        self.staged = torch.zeros(len(requests), dtype=torch.int64, device=device)  # rows copied into staging
+        self.staging_loc = torch.stack([r.staging_loc for r in requests]).to(device)  # [B, G, T]
         self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
         self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
         self._resolved: dict[int, _Resolved] = {}
+        self._tickets: list[CopyTicket] = []
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
 
@@ -147,6 +166,22 @@ class StepKV:
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows ``[B, X, K, row_dim]`` of the selected ``positions`` ``[B, X, K]`` int64 (``-1`` = unused
         slot, zeros returned there). Every selected position must be below ``lengths[b]``."""
+        loc = self.locations(layer, positions)
+        rows = self._m.layout.decode(self._m.pool.arena[loc.clamp(min=0)])
+        return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
+
+    def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+               softmax_scale: float) -> torch.Tensor | None:
+        """Sparse MLA ``out_lat [B, X, H, rank]`` of ``q_lat [B, X, H, rank]`` / ``q_pe [B, X, H, rope]`` over
+        the rows at ``positions`` by the selected device kernel, or ``None`` (the caller computes it from
+        :meth:`gather`) when the kernels are torch's (see ``dhisparse.kv.kernel_step``)."""
+        if not self._m.kernels.on_device:
+            return None
+        return kernel_step.attend(self._m, self.locations(layer, positions), q_lat, q_pe, softmax_scale)
+
+    def locations(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """Arena rows ``[B, X, K]`` of the selected ``positions`` (``-1`` where unused), readable by work issued
+        next on the current stream; resolves (and fetches) on first use per source and positions tensor."""
         self._check_open()
         m = self._m
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
@@ -160,13 +195,11 @@ class StepKV:
             for other in m.layout.group_of_layer(layer):
                 other_source = m.layout.source_of_layer[other]
                 if self._lookup(other_source, positions) is None:
-                    self._resolve(other_source, positions)
+                    self._resolve(other_source, positions, m.layout.staging_slot_of_layer(other))
             entry = self._lookup(source, positions)
             assert entry is not None
-        m.copies.wait(entry.ticket)
-        loc = entry.locations.view_as(positions)
-        rows = m.layout.decode(m.pool.arena[loc.clamp(min=0)])
-        return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
+        m.copies.wait_for_read(entry.ticket)
+        return entry.locations.view_as(positions)
 
     def _lookup(self, source: int, positions: torch.Tensor) -> _Resolved | None:
         entry = self._resolved.get(source)
@@ -177,24 +210,42 @@ class StepKV:
             same = bool(self._m.sync.read((entry.positions != positions).any())[0][0] == 0)
         return entry if same else None
 
-    def _resolve(self, source: int, positions: torch.Tensor) -> None:
+    def _resolve(self, source: int, positions: torch.Tensor, slot: int) -> None:
         m = self._m
         flat = positions.reshape(len(self.requests), -1)
         if self.all_direct:
-            self._resolve_direct(source, positions, flat)
+            self._resolve_direct(source, positions, flat, slot)
+            return
+        staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
+        # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
+        # so a step with verification staging resolves with the torch resolver (on the device as well).
+        if m.kernels.on_device and staging is None:
+            kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
+            self.resolver_calls += 1
+            if kticket is not None:
+                self._tickets.append(kticket)
+            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False)
             return
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
-                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, on_device=True)
+                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
         self.resolver_calls += 1
         self.hot_pos[:, source] = res.hot_pos
         self.hot_stamp[:, source] = res.hot_stamp
         self.counts += res.counts
+        self.staged += res.staged
         assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
         self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
+        # With staging, the slot's previous rows may be overwritten: their entry must not be reused (decided from
+        # the configuration, not from this resolution's counts, so that it costs no host sync).
+        staged = staging is not None
+        if staged:
+            stale = [s for s, e in self._resolved.items() if e.staged and e.staging_slot == slot and s != source]
+            for s in stale:
+                del self._resolved[s]
         ticket = None
         if self.host_pages is not None:
-            # Fixed-shape copy list: misses copy their host row into their slot, every other entry copies host
-            # row 0 into the scratch row (resident never misses: its history is all direct).
+            # Fixed-shape copy list: misses copy their host row into their hot slot or staging row, every other
+            # entry copies host row 0 into the scratch row (resident never misses: its history is all direct).
             mask, pos = res.fetch_mask, res.fetch_position
             page = self.host_pages[:, source].gather(1, (pos // m.pool.page_rows).clamp(
                 max=self.host_pages.shape[2] - 1))
@@ -202,9 +253,10 @@ class StepKV:
             assert res.fetch_location is not None
             dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
             ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
-        self._resolved[source] = _Resolved(positions, res.locations, ticket)
+            self._tickets.append(ticket)
+        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged)
 
-    def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor) -> None:
+    def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
         """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
         host at ``begin_step``): the same locations and counts as :func:`resolve`, which would find every
         position direct and leave the hot cache untouched."""
@@ -219,7 +271,7 @@ class StepKV:
         previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
         self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
         self.resolver_calls += 1
-        self._resolved[source] = _Resolved(positions, locations, None)
+        self._resolved[source] = _Resolved(positions, locations, None, slot, False)
 
     def _flag(self, flag: int, broken: torch.Tensor, error: type[Exception]) -> None:
         """Record a check on the device; in debug mode read and raise it now (one counted read per check)."""
@@ -231,24 +283,32 @@ class StepKV:
 
     def report(self) -> torch.Tensor:
         """What ``end_step`` reads from the device, as one int64 vector: the per-request resolution counts
-        ``[B, 3]`` (flattened) followed by the error flags. The engine may read it together with its sampled
-        tokens (one transfer) and pass the values to ``end_step(report=...)``."""
-        return torch.cat([self.counts.reshape(-1), self.flags.to(torch.int64)])
+        ``[B, 3]`` (flattened), the per-request staged row counts ``[B]``, then the error flags. The engine may
+        read it together with its sampled tokens (one transfer) and pass the values to ``end_step(report=...)``."""
+        return torch.cat([self.counts.reshape(-1), self.staged, self.flags.to(torch.int64)])
 
     def check_report(self, values: list[int]) -> list[list[int]]:
-        """Raise the first error flag set in ``values`` (from :meth:`report`); return the counts per request."""
+        """Raise the first error flag set in ``values`` (from :meth:`report`); return per request
+        ``[direct, hot, host, staged]``."""
         batch = len(self.requests)
-        flags = values[3 * batch:]
+        flags = values[4 * batch:]
         errors = (ValueError, HotCacheOverflowError, RuntimeError)
         for flag, is_set in enumerate(flags):
             if is_set:
                 raise errors[flag](_FLAG_MESSAGES[flag])
-        return [values[3 * b: 3 * b + 3] for b in range(batch)]
+        return [values[3 * b: 3 * b + 3] + [values[3 * batch + b]] for b in range(batch)]
+
+    def reset_checks(self) -> None:
+        """Clear the step's device-side flags and counts (``abort_step``: nothing of a rolled-back step is
+        reported)."""
+        self.flags.zero_()
+        self.counts.zero_()
+        self.staged.zero_()
 
     def wait_fetches(self) -> None:
         """Complete every host→device copy this step issued (called by ``end_step``)."""
-        for entry in self._resolved.values():
-            self._m.copies.wait(entry.ticket)
+        for ticket in self._tickets:
+            self._m.copies.wait(ticket)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -89,13 +89,17 @@ class IndexedMLA:
                 raise ValueError(f"layer {self.layer} shares top-k but no earlier layer produced a selection")
             selection = shared_selection
 
-        gathered = kv.gather(self.layer, selection)  # [B, Q, K, row_dim]
-        latent, pe = gathered[..., :rank], gathered[..., rank:]
         q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, self.w_uk)
-        scores = torch.einsum("bqhr,bqkr->bqhk", q_lat, latent) + torch.einsum("bqhp,bqkp->bqhk", q_rot, pe)
-        scores = (scores * self.scaling).masked_fill((selection < 0).unsqueeze(2), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-        out_lat = torch.einsum("bqhk,bqkr->bqhr", probs, latent)
+        # A KV step with device kernels (dhisparse.kernels) attends over resolved rows in one kernel.
+        attend = getattr(kv, "attend", None)
+        out_lat = attend(self.layer, selection, q_lat, q_rot, self.scaling) if attend is not None else None
+        if out_lat is None:
+            gathered = kv.gather(self.layer, selection)  # [B, Q, K, row_dim]
+            latent, pe = gathered[..., :rank], gathered[..., rank:]
+            scores = torch.einsum("bqhr,bqkr->bqhk", q_lat, latent) + torch.einsum("bqhp,bqkp->bqhk", q_rot, pe)
+            scores = (scores * self.scaling).masked_fill((selection < 0).unsqueeze(2), float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+            out_lat = torch.einsum("bqhk,bqkr->bqhr", probs, latent)
         out = torch.einsum("bqhr,hvr->bqhv", out_lat, self.w_uv).reshape(b, q_len, -1)
         return F.linear(out, self.o, self.o_bias), selection
 

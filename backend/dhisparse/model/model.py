@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,9 +118,11 @@ class DSAModel:
         all_logits: bool = False,
         record_selections: bool = False,
         capacity: int | None = None,
+        on_chunk: Callable[[int], None] | None = None,
     ) -> PrefillOutput:
         """Prefill one prompt chunk by chunk over a local KV; chunking bounds the attention workspace and does
-        not change results (each chunk's queries see every earlier row)."""
+        not change results (each chunk's queries see every earlier row). ``on_chunk(start)`` is called before each
+        chunk's forward (the engine's fault injection)."""
         ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).view(-1)
         total = ids.numel()
         cfg = self.cfg
@@ -130,6 +133,8 @@ class DSAModel:
         selections: dict[int, list[torch.Tensor]] = {}
         result = None
         for start in range(0, total, chunk_tokens):
+            if on_chunk is not None:
+                on_chunk(start)
             chunk = ids[start:start + chunk_tokens]
             positions = torch.arange(start, start + chunk.numel(), device=self.device).unsqueeze(0)
             result = self.forward(chunk.unsqueeze(0), positions, local.begin(chunk.numel()), all_logits=all_logits,

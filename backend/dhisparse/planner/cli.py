@@ -7,6 +7,8 @@ Example (GLM-class, 32K in / 8K out, H200)::
         --overlap 0.6 0.8 0.95 --tpot-bound-ms 50 --out plan_out
 
 Writes ``plan.csv``, ``plan.md`` (table + recommendation) and PNG plots into ``--out`` and prints the table.
+``dhisparse-plan footprint …`` prints one session's required / optional / speculative bytes instead
+(:mod:`dhisparse.planner.footprint_cli`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from dhisparse import defaults
 from dhisparse.planner.report import PlanGrid, markdown_table, plot_grid, plot_memory, recommend, run_grid, write_csv
 from dhisparse.planner.scale import ScaleSpec
 from dhisparse.planner.specs import HARDWARE_PRESETS, MODEL_PRESETS
@@ -40,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-client", type=int, default=1)
     p.add_argument("--overlap", type=float, nargs="+", default=[0.6, 0.8, 0.95],
                    help="locality overlaps (report a range, never one tuned value)")
-    p.add_argument("--hot-rows", type=int, default=0, help="B per request and layer (0: index_topk x (gamma+1))")
-    p.add_argument("--page-rows", type=int, default=64)
+    p.add_argument("--hot-rows", type=int, default=defaults.HOT_ROWS,
+                   help="B per request and layer (0: index_topk, with or without a drafter)")
+    p.add_argument("--page-rows", type=int, default=defaults.PAGE_ROWS)
     p.add_argument("--reserve-gib", type=float, default=0.0)
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
+    p.add_argument("--gamma", type=int, default=defaults.NUM_DRAFT_TOKENS, help="draft tokens per block")
     p.add_argument("--accept-prob", type=float, default=0.75, help="per-token acceptance at 4K context")
     p.add_argument("--busy-batch", type=int, default=32, help="DSpark shortens verification from this batch")
     p.add_argument("--token-scale", type=int, default=64, help="g of the scale model (see docs/planner.md)")
@@ -56,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "footprint":
+        from dhisparse.planner.footprint_cli import main as footprint_main
+
+        return footprint_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         hw = HARDWARE_PRESETS[args.hardware]

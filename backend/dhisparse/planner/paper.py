@@ -1,8 +1,9 @@
 """The paper's experiments (see ``/work/shared/seeds`` and DESIGN.md "Baselines"), run with the planner.
 
 Shared setup: one H200 (:data:`~dhisparse.planner.specs.H200`), GLM-5.x IndexShare NVFP4 (the paper's GLM-5.3
-is not public), page 64 rows, B = 4096 rows without a drafter (HiSparse's published ``device_buffer_size``) and
-``index_topk x (gamma + 1)`` = 10,240 with one (gamma = 4), drafter DFlash2 (acceptance 0.75 at 4K, -0.03 per
+is not public), page 64 rows, B = 4096 rows (HiSparse's published ``device_buffer_size``) with and without a
+drafter (the rows of a verification step that the hot cache cannot take go to verification staging, gamma = 4),
+drafter DFlash2 (acceptance 0.75 at 4K, -0.03 per
 context doubling), one closed-loop request per client, token scale g = 64, locality overlap 0.6 / 0.8 / 0.95.
 
 Experiments:
@@ -116,11 +117,12 @@ def footprints(model: ModelSpec, input_tokens: int, output_tokens: int, gamma: i
     pool = model.kv_pool_bytes(H200, drafter.weight_bytes)
     out: list[Row] = []
     for policy, q in (("resident", gamma + 1), ("hisparse", 1), ("adaptive", gamma + 1)):
-        hot = max(4096, model.index_topk * q)
-        probe = build_scaled_kv(model, ScaleSpec(), policy, pool, hot, 64, 0, 0, q)
+        ring = drafter.ring_bytes if q > 1 else 0.0
+        probe = build_scaled_kv(model, ScaleSpec(), policy, pool, max(4096, model.index_topk), 64, 0, 0, q, ring)
         cfg: KVConfig = probe.real_config
         fp = request_footprint(probe.real_layout, cfg, input_tokens, output_tokens)
         out.append({"model": model.name, "policy": policy, "query_len": q, "required_gib": fp.required_bytes / GIB,
+                    "speculative_gib": fp.speculative_bytes / GIB,
                     "index_key_gib": fp.index_key_bytes / GIB, "pool_gib": pool / GIB,
                     "max_concurrency": int(pool // fp.required_bytes)})
     return out

@@ -64,20 +64,17 @@ class PlanGrid:
 
 
 def parse_config(label: str, base: ServingSpec, speculation: SpeculationModel, index_topk: int = 0) -> ServingSpec:
-    """``policy[+drafter]`` -> a :class:`ServingSpec` (ValueError on an unknown policy or drafter). With a
-    drafter, ``B`` grows to ``index_topk x (gamma + 1)`` if smaller: every verification query may select
-    ``index_topk`` distinct rows, and the hot cache must hold them all."""
+    """``policy[+drafter]`` -> a :class:`ServingSpec` (ValueError on an unknown policy or drafter). ``B`` is the
+    same with and without a drafter: the rows of a verification step's union of selections that the hot cache
+    cannot take go to verification staging (``index_topk`` is accepted for compatibility and unused)."""
     policy, _, drafter = label.partition("+")
     spec = dataclasses.replace(speculation, drafter=drafter) if drafter else None
-    hot = base.hot_rows
-    if spec is not None and hot:
-        hot = max(hot, index_topk * spec.max_query_len)
-    return dataclasses.replace(base, policy=policy, speculation=spec, hot_rows=hot)
+    return dataclasses.replace(base, policy=policy, speculation=spec)
 
 
 def uses_locality(serving: ServingSpec) -> bool:
     """``resident`` never fetches from host, so its result does not depend on the locality model."""
-    return serving.policy != "resident"
+    return serving.uses_host
 
 
 def decode_tok_per_s(result: SimResult) -> float:

@@ -84,8 +84,13 @@ def _layout(num_layers: int, group: int, row_bytes: int, key_dim: int, topk: int
 
 def build_scaled_kv(model: ModelSpec, scale: ScaleSpec, policy: str, pool_bytes: float, hot_rows: int,
                     page_rows: int, reserve_bytes: float, refill_pages_per_step: int,
-                    max_query_len: int) -> ScaledKV:
-    """Build the simulated and real KV layouts/configs (all byte and row arguments are *real* values)."""
+                    max_query_len: int, draft_ring_bytes: float = 0.0) -> ScaledKV:
+    """Build the simulated and real KV layouts/configs (all byte and row arguments are *real* values).
+
+    ``hot_rows`` 0 means ``index_topk``. Speculative state: the draft ring (``draft_ring_bytes`` per request) is
+    charged ``1 / F`` in the simulation; verification staging is one staging for all of a GPU's index groups, so
+    the simulated group, which stands for ``S_r / S_s`` real ones, charges ``S_s / S_r`` of its staging
+    (``KVConfig.staging_share``)."""
     g = scale.token_scale
     if model.row_bytes % 4 or model.index_key_bytes % 4:
         raise ValueError("row_bytes and index_key_bytes must be multiples of 4 (stored as float32)")
@@ -104,12 +109,13 @@ def build_scaled_kv(model: ModelSpec, scale: ScaleSpec, policy: str, pool_bytes:
                      model.index_topk // g)
     real_config = KVConfig(policy=policy, pool_bytes=int(pool_bytes), hot_rows=hot_rows, page_rows=page_rows,
                            reserve_bytes=int(reserve_bytes), refill_pages_per_step=refill_pages_per_step,
-                           max_query_len=max_query_len)
+                           max_query_len=max_query_len, draft_ring_bytes=int(draft_ring_bytes))
     # a simulated page is S_r / S_s real pages; a simulated step is g real steps
     refill = 0 if refill_pages_per_step == 0 else max(1, round(refill_pages_per_step * g / source_factor))
     config = KVConfig(policy=policy, pool_bytes=int(pool_bytes / byte_factor), hot_rows=hot_rows // g,
                       page_rows=page_rows // g, reserve_bytes=int(reserve_bytes / byte_factor),
-                      refill_pages_per_step=refill, max_query_len=max_query_len)
+                      refill_pages_per_step=refill, max_query_len=max_query_len,
+                      draft_ring_bytes=round(draft_ring_bytes / byte_factor), staging_share=1.0 / source_factor)
     config.validate_for(layout)
     real_config.validate_for(real_layout)
     return ScaledKV(layout, config, real_layout, real_config, byte_factor, source_factor, g)

@@ -96,7 +96,8 @@ class Simulator:
         self.kvs: ScaledKV = build_scaled_kv(model, scale, serving.policy, pool,
                                              serving.hot_rows_for(model.index_topk), serving.page_rows,
                                              serving.reserve_bytes, serving.refill_pages_per_step,
-                                             serving.max_query_len)
+                                             serving.max_query_len,
+                                             drafter.ring_bytes if (drafter and spec) else 0.0)
         g = self.kvs.token_scale
         self.g = g
         groups = -(-self.kvs.layout.num_layers // model.index_group_size)

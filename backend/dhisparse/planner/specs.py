@@ -142,6 +142,9 @@ class DrafterSpec:
         weight_bytes: drafter weights per GPU (bytes), read once per draft pass.
         pass_overhead_s: fixed time of one draft pass (s).
         flops_per_token: drafter FLOPs per proposed token.
+        ring_bytes: the draft ring buffer of one request (bytes): the drafter's visible window of context rows;
+            with verification staging it is the request's speculative state (required memory).
+        source: where the figures come from.
     """
 
     name: str
@@ -149,12 +152,14 @@ class DrafterSpec:
     pass_overhead_s: float = 0.002
     flops_per_token: float = 2 * 1.0e9
     extra: dict = field(default_factory=dict, compare=False)
+    ring_bytes: float = 0.0
+    source: str = ""
 
     def __post_init__(self) -> None:
         if self.name not in ("dflash2", "dspark"):
             raise ValueError(f"drafter name must be 'dflash2' or 'dspark', got {self.name!r}")
-        if self.weight_bytes < 0 or self.pass_overhead_s < 0 or self.flops_per_token < 0:
-            raise ValueError("drafter weight_bytes, pass_overhead_s and flops_per_token must be >= 0")
+        if self.weight_bytes < 0 or self.pass_overhead_s < 0 or self.flops_per_token < 0 or self.ring_bytes < 0:
+            raise ValueError("drafter weight_bytes, pass_overhead_s, flops_per_token and ring_bytes must be >= 0")
 
 
 H200 = HardwareSpec(
@@ -235,9 +240,17 @@ DSV32 = ModelSpec(
             "B and indexer key 132 B as in sglang's DSA pool (PR #31992). ASSUMED: 11B dense params."),
 )
 
+# Ring sizes follow our drafters' structure (dhisparse.spec): a DFlash2 ring row is its per-position K/V, drafter
+# layers x 2 x hidden; a DSpark ring holds one target feature row (window 1), target layers read x hidden.
+_GLM_HIDDEN, _BF16 = 6144, 2
 DRAFTERS = {
-    "dflash2": DrafterSpec("dflash2", weight_bytes=2e9, pass_overhead_s=0.002, flops_per_token=2 * 1e9),
-    "dspark": DrafterSpec("dspark", weight_bytes=1.5e9, pass_overhead_s=0.0015, flops_per_token=2 * 0.75e9),
+    "dflash2": DrafterSpec("dflash2", weight_bytes=2e9, pass_overhead_s=0.002, flops_per_token=2 * 1e9,
+                           ring_bytes=64 * 2 * 2 * _GLM_HIDDEN * _BF16,
+                           source=("ASSUMED: 2 drafter layers at GLM-5's hidden size 6144 in bf16, window 64 (the "
+                                   "engine's DFlash2Config default): 64 x 2 x 2 x 6144 x 2 B = 3 MiB ring")),
+    "dspark": DrafterSpec("dspark", weight_bytes=1.5e9, pass_overhead_s=0.0015, flops_per_token=2 * 0.75e9,
+                          ring_bytes=1 * 2 * _GLM_HIDDEN * _BF16,
+                          source="ASSUMED: one feature row of 2 target layers x 6144 in bf16 (window 1): 24 KiB"),
 }
 
 HARDWARE_PRESETS = {"h200": H200, "rtx-pro-6000": RTX_PRO_6000}

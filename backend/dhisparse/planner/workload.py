@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kv.config import KV_POLICIES
+from dhisparse import defaults
+from dhisparse.kv.policies import KV_POLICIES, policy_named
 from dhisparse.planner.locality import LocalityModel
 from dhisparse.planner.speculation import SpeculationModel
 
@@ -65,7 +66,8 @@ class ServingSpec:
 
     Attributes:
         policy: ``resident``, ``hisparse`` or ``adaptive``.
-        hot_rows: ``B`` per request and layer (0: ``index_topk x verification length``).
+        hot_rows: ``B`` per request and layer (0: ``index_topk``, with or without speculation: the rows of a
+            verification step that the hot cache cannot take go to verification staging).
         page_rows: rows per page.
         reserve_bytes: admission reserve.
         refill_pages_per_step: optional pages (one layer each) refilled per decode step.
@@ -75,19 +77,18 @@ class ServingSpec:
         locality: the selection model.
     """
 
-    policy: str = "adaptive"
-    hot_rows: int = 0
-    page_rows: int = 64
-    reserve_bytes: float = 0.0
-    refill_pages_per_step: int = 64
+    policy: str = defaults.KV_POLICY
+    hot_rows: int = defaults.HOT_ROWS
+    page_rows: int = defaults.PAGE_ROWS
+    reserve_bytes: float = float(defaults.RESERVE_BYTES)
+    refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     max_batch_size: int = 512
     max_prefill_tokens_per_step: int = 1 << 20
     speculation: SpeculationModel | None = None
     locality: LocalityModel = LocalityModel()
 
     def __post_init__(self) -> None:
-        if self.policy not in KV_POLICIES:
-            raise ValueError(f"policy must be one of {KV_POLICIES}, got {self.policy!r}")
+        policy_named(self.policy, "ServingSpec.policy", KV_POLICIES)  # ConfigError is a ValueError
         if self.hot_rows < 0 or self.page_rows < 1 or self.reserve_bytes < 0 or self.refill_pages_per_step < 0:
             raise ValueError("hot_rows >= 0, page_rows >= 1, reserve_bytes >= 0, refill_pages_per_step >= 0")
         if self.max_batch_size < 1 or self.max_prefill_tokens_per_step < 1:
@@ -98,7 +99,12 @@ class ServingSpec:
         return 1 if self.speculation is None else self.speculation.max_query_len
 
     def hot_rows_for(self, index_topk: int) -> int:
-        return self.hot_rows or index_topk * self.max_query_len
+        """``B``: ``hot_rows``, or ``index_topk`` when 0 (independent of speculation)."""
+        return self.hot_rows or index_topk
+
+    @property
+    def uses_host(self) -> bool:
+        return policy_named(self.policy, "ServingSpec.policy", KV_POLICIES).uses_host
 
     @property
     def label(self) -> str:

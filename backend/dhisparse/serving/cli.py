@@ -2,7 +2,8 @@
 
 Prepares the Python backend directory and a model repository filled for the engine (in `--model-repo`,
 or a temporary directory removed at exit), starts `tritonserver` bound to `--address` (loopback by
-default), prints one `ready` line, and on SIGINT/SIGTERM stops the server cleanly.
+default), prints one `ready` line, and on SIGINT/SIGTERM stops the server cleanly. If the engine stops after a
+fault it cannot recover from (the `dhisparse` model turns not-ready), it stops the server and exits with code 3.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from dhisparse.serving.repository import RepositorySpec, fill_model_repository, parse_override
 from dhisparse.serving.server import ServerConfig, ServerStartError, TritonServer, free_ports
 from dhisparse.serving.triton_install import TritonInstall, TritonNotInstalledError, prepare_backend_dir
+
+LLM_MODEL = "dhisparse"  # the model that runs the engine; its readiness is the engine's
 
 # Runtime options with their own flags (everything else: --engine-option KEY=VALUE).
 _ENGINE_FLAGS = (
@@ -46,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     p.add_argument("--log-file", type=Path, default=None, help="write the server log here (default: terminal)")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    p.add_argument("--exclude-input-in-output", choices=("true", "false"), default="true",
+                   help="default for requests that do not send exclude_input_in_output (tensorrtllm_backend's "
+                        "parameter of that name): false = non-streaming outputs start with the prompt")
     g = p.add_argument_group("engine runtime options (override the engine's runtime.json)")
     for name, kind, help_text in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
@@ -78,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         install = TritonInstall.locate()
-        spec = RepositorySpec(args.engine, engine_overrides(args), metrics_interval_ms=args.metrics_interval_ms)
+        spec = RepositorySpec(args.engine, engine_overrides(args), metrics_interval_ms=args.metrics_interval_ms,
+                              exclude_input_in_output=args.exclude_input_in_output == "true")
         if not (spec.engine_dir / "config.json").is_file():
             raise ValueError(f"{spec.engine_dir} is not an engine directory (no config.json)")
     except (TritonNotInstalledError, ValueError, TypeError) as error:
@@ -107,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                 code = server.stop()
                 print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)
                 return 1
+            if not server.model_ready(LLM_MODEL) and not stop.is_set() and server.poll() is None:
+                # The engine stopped after a fault it could not recover from: its clients have their errors and
+                # the model unloaded itself. Stop the server so that its health endpoint stops answering ready
+                # too (Triton 2.51 counts only loaded models), and exit non-zero for the supervisor to restart us.
+                print(f"dhisparse-serve: error: model {LLM_MODEL!r} is no longer ready (its engine stopped after "
+                      "a fault; see the server log); stopping tritonserver", file=sys.stderr, flush=True)
+                server.stop()
+                return 3
         code = server.stop()
         print(f"dhisparse-serve: stopped (tritonserver exit code {code})", flush=True)
         return 0

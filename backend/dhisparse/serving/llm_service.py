@@ -8,19 +8,23 @@ sequences are matched here and end the request early (the engine request is canc
 
 The supervisor thread wakes every `interval_s` to (1) poll each open request's `is_cancelled()` (a
 client that cancels or disconnects) and cancel it in the loop, which frees all its KV memory, and
-(2) copy `EngineLoop.stats()` into the custom metrics. Both touch Triton from this one thread only.
+(2) copy `EngineLoop.stats()` into the custom metrics, (3) notice an engine that stopped after a fault it could
+not recover from (its clients already have their errors) and call `on_engine_dead` once: the Triton model then
+unloads itself so that its readiness turns false. All touch Triton from this one thread only.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from dhisparse.engine.loop import EngineLoop
 from dhisparse.serving.engine_metrics import EngineMetrics
-from dhisparse.serving.llm_request import LLMRequest, output_arrays
+from dhisparse.serving.llm_outputs import ResponseBuilder
+from dhisparse.serving.llm_request import LLMRequest
+from dhisparse.serving.response_group import ResponseGroup
 from dhisparse.serving.stop_sequences import StopSequenceMatcher
 from dhisparse.serving.triton_tensors import error_response, response
 
@@ -35,8 +39,11 @@ class LLMService:
         interval_s: supervisor period (cancellation latency and metrics freshness), seconds.
     """
 
-    def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25) -> None:
+    def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25,
+                 on_engine_dead: Callable[[str], None] | None = None) -> None:
         self._pb = pb
+        self._on_engine_dead = on_engine_dead
+        self._dead_reported = False
         self.loop = loop
         self._metrics = metrics
         self._interval_s = interval_s
@@ -47,30 +54,48 @@ class LLMService:
         # when is_cancelled() runs on a sender whose final response has gone (its factory is freed).
         self._final_lock = threading.Lock()
         self._cancelled: set[str] = set()
-        self._by_client_id: dict[str, str] = {}  # Triton request id given by the caller -> engine request id
+        self._by_client_id: dict[str, list[str]] = {}  # Triton request id given by the caller -> engine ids
         self._cancelled_total = 0
         self._stop = threading.Event()
         self._supervisor = threading.Thread(target=self._supervise, name="dhisparse-supervisor", daemon=True)
         self._supervisor.start()
 
     # ------------------------------------------------------------------------------------------ requests
-    def start(self, request: LLMRequest, sender: Any, client_id: str = "") -> str:
-        """Submit `request` and stream its responses to `sender`; returns the engine request id.
+    def start(self, request: LLMRequest, sender: Any, client_id: str = "", sequence_index: int = 0) -> str:
+        """Submit `request` (sequence `sequence_index` of it) and stream its responses to `sender`; returns the
+        engine request id.
 
         `client_id` (the Triton request id, may be empty) lets a later control request `cancel_client`
         it. Raises InvalidRequestError (nothing queued, nothing sent) when the engine refuses the request.
         """
         request_id = f"triton-{next(self._ids)}"
-        stream = self.loop.submit(request.prompt_token_ids, request.params, request_id)
+        stream = self.loop.submit(request.prompt_token_ids, request.params.for_sequence(sequence_index), request_id)
         with self._lock:
             self._active[request_id] = sender
             if client_id:
-                self._by_client_id[client_id] = request_id
+                self._by_client_id.setdefault(client_id, []).append(request_id)
         threading.Thread(
-            target=self._respond, args=(request_id, request, stream, sender), name=f"respond-{request_id}",
-            daemon=True,
+            target=self._respond, args=(request_id, request, stream, sender, sequence_index),
+            name=f"respond-{request_id}", daemon=True,
         ).start()
         return request_id
+
+    def start_all(self, requests: list[LLMRequest], sender: Any, client_id: str = "") -> list[str]:
+        """Serve every sequence of every prompt of one Triton request (`num_return_sequences` each) through one
+        sender; its last response carries the final flag (see `ResponseGroup`). Every request is validated
+        first: InvalidRequestError means nothing was started."""
+        for request in requests:
+            for index in range(request.num_return_sequences):
+                self.loop.engine.validate(request.prompt_token_ids, request.params.for_sequence(index))
+        jobs = [(r, i) for r in requests for i in range(r.num_return_sequences)]
+        if len(jobs) == 1:
+            return [self.start(requests[0], sender, client_id)]
+        started: list[str] = []
+        group = ResponseGroup(sender, len(jobs), self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                              lambda r: bool(r.has_error()), lambda: [self.loop.cancel(i) for i in started])
+        for request, index in jobs:
+            started.append(self.start(request, group.member(), client_id, index))
+        return started
 
     def _send(self, sender: Any, arrays_or_error: dict | BaseException | Any | None, final: bool) -> None:
         """Send output arrays, an error (exception or `pb.TritonError`), or nothing (flags only)."""
@@ -92,10 +117,12 @@ class LLMService:
         else:
             sender.send(error_response(self._pb, arrays_or_error), flags=flags)
 
-    def _respond(self, request_id: str, request: LLMRequest, stream: Iterable, sender: Any) -> None:
-        matcher = StopSequenceMatcher(request.stop_sequences)
-        collected: list[int] = []
+    def _respond(self, request_id: str, request: LLMRequest, stream: Iterable, sender: Any,
+                 sequence_index: int = 0) -> None:
+        matcher = StopSequenceMatcher(request.stop_sequences, request.params.min_tokens)
+        builder = ResponseBuilder(request, sequence_index)
         done = False  # the client has its final response (or is gone)
+        sent_any = False  # a streamed response went out already
         try:
             for update in stream:
                 if done:
@@ -106,44 +133,56 @@ class LLMService:
                 if keep is not None:
                     tokens, finished = tokens[:keep], True
                     if not update.finished:
-                        self.loop.cancel(request_id)
+                        self.loop.cancel(request_id, reason="stop")  # finished by a stop sequence
                 if self._was_cancelled(request_id):
                     # Flags only: an error-carrying final response sent from this thread after earlier
                     # streamed ones never reaches a BLS caller on Triton 2.51 (its stream stalls).
                     self._send(sender, None, final=True)
                     done = True
                     continue
-                collected.extend(tokens)
+                tokens = builder.add(update, keep)
                 if request.streaming and (tokens or finished):
-                    self._send(sender, output_arrays(tokens) if tokens else None, final=finished)
-                    done = finished
+                    self._send(sender, builder.chunk() if tokens else None, final=finished)
+                    done, sent_any = finished, True
                 elif finished:
-                    self._send(sender, output_arrays(collected), final=True)
+                    self._send(sender, builder.whole(), final=True)
                     done = True
             if not done:  # the stream ended without a finishing update (loop shut down)
                 error = self._cancelled_error() if self._was_cancelled(request_id) else RuntimeError(
                     "the engine loop stopped before the request finished")
-                self._send(sender, error, final=True)
+                self._send_error(sender, error, sent_any)
         except Exception as error:
             if not done:
-                self._send(sender, RuntimeError(f"request failed: {error}"), final=True)
+                failure = RuntimeError(f"request failed: {error}")
+                self._send_error(sender, failure, sent_any)
         finally:
             with self._lock:
                 self._active.pop(request_id, None)
                 self._cancelled.discard(request_id)
-                for client_id in [c for c, r in self._by_client_id.items() if r == request_id]:
-                    del self._by_client_id[client_id]
+                for client_id in [c for c, ids in self._by_client_id.items() if request_id in ids]:
+                    self._by_client_id[client_id].remove(request_id)
+                    if not self._by_client_id[client_id]:
+                        del self._by_client_id[client_id]
+
+    def _send_error(self, sender: Any, error: BaseException | Any, sent_any: bool) -> None:
+        """The final error of a request. After streamed responses, an error-carrying *final* response never
+        reaches a BLS caller on Triton 2.51 (its stream stalls): then the error goes first, a flags-only final
+        after it."""
+        if sent_any:
+            self._send(sender, error, final=False)
+            self._send(sender, None, final=True)
+        else:
+            self._send(sender, error, final=True)
 
     def cancel_client(self, client_id: str) -> bool:
         """Cancel the open request started with `client_id`; False when there is none."""
         with self._lock:
-            request_id = self._by_client_id.get(client_id)
-            if request_id is None or request_id in self._cancelled:
-                return False
-            self._cancelled.add(request_id)
-            self._cancelled_total += 1
-        self.loop.cancel(request_id)
-        return True
+            request_ids = [r for r in self._by_client_id.get(client_id, []) if r not in self._cancelled]
+            self._cancelled.update(request_ids)
+            self._cancelled_total += len(request_ids)
+        for request_id in request_ids:
+            self.loop.cancel(request_id)
+        return bool(request_ids)
 
     def _was_cancelled(self, request_id: str) -> bool:
         with self._lock:
@@ -166,6 +205,10 @@ class LLMService:
                 self.loop.cancel(request_id)
             if self._metrics is not None:
                 self._metrics.update(self.stats())
+            if not self.loop.alive and not self._dead_reported and not self._stop.is_set():
+                self._dead_reported = True  # every open stream has its error already (EngineLoop guarantees it)
+                if self._on_engine_dead is not None:
+                    self._on_engine_dead(str(self.loop.error or "the engine loop stopped"))
 
     def stats(self) -> dict[str, float]:
         """Engine statistics plus the serving layer's own counters."""

@@ -53,11 +53,13 @@ class RepositorySpec:
     Attributes:
         engine_dir: the engine directory (`config.json`, `runtime.json`, weights, optional `tokenizer.json`).
         engine_overrides: keyword overrides for `LLM(engine_dir, **overrides)`; values str/int/float/bool.
-        triton_max_batch_size: `max_batch_size` of every model (requests still carry one prompt each).
+        triton_max_batch_size: `max_batch_size` of every model (the most prompts one request may carry).
         metrics_interval_ms: how often the metrics thread copies engine statistics to `/metrics`.
         add_special_tokens: whether preprocessing adds the tokenizer's special tokens (e.g. BOS).
         skip_special_tokens: whether postprocessing drops special tokens from the text.
         text_instance_count: instances of preprocessing, postprocessing and the BLS model each.
+        exclude_input_in_output: the LLM model's default when a request does not send `exclude_input_in_output`
+            (tensorrtllm_backend's model parameter of that name): true = outputs hold only generated tokens.
     """
 
     engine_dir: Path
@@ -67,6 +69,7 @@ class RepositorySpec:
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
     text_instance_count: int = 1
+    exclude_input_in_output: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "engine_dir", Path(self.engine_dir).resolve())
@@ -107,6 +110,7 @@ class RepositorySpec:
             "preprocessing_instance_count": str(self.text_instance_count),
             "postprocessing_instance_count": str(self.text_instance_count),
             "bls_instance_count": str(self.text_instance_count),
+            "exclude_input_in_output": str(self.exclude_input_in_output).lower(),
         }
 
 

@@ -118,6 +118,9 @@ class TritonServer:
             "--pinned-memory-pool-byte-size=0",
             "--disable-auto-complete-config",
             "--strict-readiness=true",
+            # Explicit model control (every model loaded at start): lets a model whose engine died unload itself,
+            # so that its readiness turns false (see dhisparse.serving.llm_service).
+            "--model-control-mode=explicit", "--load-model=*",
             "--exit-timeout-secs=15",
             f"--log-verbose={c.log_verbose}",
             # Each server needs its own shared-memory names or two servers on one host collide.
@@ -164,6 +167,15 @@ class TritonServer:
     def is_ready(self) -> bool:
         """True when the server answers its readiness probe."""
         url = f"http://{self.config.http_url}/v2/health/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def model_ready(self, model: str) -> bool:
+        """True when `/v2/models/<model>/ready` answers 200."""
+        url = f"http://{self.config.http_url}/v2/models/{model}/ready"
         try:
             with urllib.request.urlopen(url, timeout=1.0) as response:
                 return response.status == 200

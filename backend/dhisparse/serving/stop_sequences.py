@@ -15,12 +15,15 @@ class StopSequenceMatcher:
 
     Args:
         sequences: stop sequences, each a non-empty tuple of token ids.
+        min_tokens: a stop sequence completed within the first `min_tokens` generated tokens does not count
+            (`SamplingParams.min_tokens`: the engine bans single stop tokens that early; this holds back the rest).
     """
 
-    def __init__(self, sequences: Sequence[tuple[int, ...]]) -> None:
+    def __init__(self, sequences: Sequence[tuple[int, ...]], min_tokens: int = 0) -> None:
         if any(len(s) == 0 for s in sequences):
             raise ValueError("stop sequences must be non-empty")
         self.sequences = tuple(tuple(s) for s in sequences)
+        self._min_tokens, self._fed = min_tokens, 0
         self._keep = max((len(s) for s in self.sequences), default=1) - 1
         self._tail: list[int] = []
         self.stopped = False
@@ -36,7 +39,9 @@ class StopSequenceMatcher:
             return None
         for index, token in enumerate(new_tokens):
             self._tail.append(int(token))
-            if any(len(s) <= len(self._tail) and tuple(self._tail[-len(s):]) == s for s in self.sequences):
+            self._fed += 1
+            ended = any(len(s) <= len(self._tail) and tuple(self._tail[-len(s):]) == s for s in self.sequences)
+            if ended and self._fed > self._min_tokens:
                 self.stopped = True
                 return index + 1
             if len(self._tail) > self._keep:

@@ -1,14 +1,19 @@
 """What the `preprocessing` and `postprocessing` models compute, as plain functions on numpy arrays.
 
-Tensor names and layouts follow tensorrtllm_backend (leading dimension = Triton batch, always 1 here):
+Tensor names and layouts follow tensorrtllm_backend; the leading dimension is Triton's batch (B prompts in one
+request, each row processed on its own):
 
-preprocessing  QUERY [1, 1] bytes, REQUEST_OUTPUT_LEN [1, 1] int32, optional STOP_WORDS_DICT /
-               BAD_WORDS_DICT [1, n] bytes, END_ID / PAD_ID [1, 1] int32
-           ->  INPUT_ID [1, L] int32, REQUEST_INPUT_LEN [1, 1] int32, REQUEST_OUTPUT_LEN [1, 1] int32,
-               STOP_WORDS_IDS / BAD_WORDS_IDS [1, 2, W] int32, OUT_END_ID / OUT_PAD_ID [1, 1] int32
+preprocessing  QUERY [B, 1] bytes, REQUEST_OUTPUT_LEN [B, 1] int32, optional STOP_WORDS_DICT /
+               BAD_WORDS_DICT / EMBEDDING_BIAS_WORDS [B, n] bytes, EMBEDDING_BIAS_WEIGHTS [B, n] fp32,
+               END_ID / PAD_ID [B, 1] int32, DECODER_QUERY [B, 1] bytes and PROMPT_TABLE_EXTRA_ID [B, 1] uint64
+               (refused when used: no encoder-decoder models, no prompt tables)
+           ->  INPUT_ID [B, L] int32 (rows padded with the pad id, or 0), REQUEST_INPUT_LEN [B, 1] int32,
+               REQUEST_OUTPUT_LEN [B, 1] int32, STOP_WORDS_IDS / BAD_WORDS_IDS [B, 2, W] int32,
+               EMBEDDING_BIAS [B, V] fp32 ([B, 0] when no row has bias words; each word's weight is added at every
+               token the word encodes to, as tensorrtllm_backend does), OUT_END_ID / OUT_PAD_ID [B, 1] int32
                (-1 = "not given": the engine's own end-of-sequence token applies)
-postprocessing TOKENS_BATCH [1, beams, T] int32, SEQUENCE_LENGTH [1, beams] int32
-           ->  OUTPUT [1, beams] bytes (UTF-8; a streamed chunk may end inside a character)
+postprocessing TOKENS_BATCH [B, beams, T] int32, SEQUENCE_LENGTH [B, beams] int32
+           ->  OUTPUT [B, beams] bytes (UTF-8; a streamed chunk may end inside a character)
 """
 
 from __future__ import annotations
@@ -21,16 +26,17 @@ from tokenizers import Tokenizer
 from dhisparse.errors import InvalidRequestError
 from dhisparse.serving.tokenization import TokenBytes, encode_prompt, word_list
 
-PREPROCESSING_INPUTS = ("QUERY", "REQUEST_OUTPUT_LEN", "STOP_WORDS_DICT", "BAD_WORDS_DICT", "END_ID", "PAD_ID")
+PREPROCESSING_INPUTS = ("QUERY", "DECODER_QUERY", "REQUEST_OUTPUT_LEN", "STOP_WORDS_DICT", "BAD_WORDS_DICT",
+                        "EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID", "PROMPT_TABLE_EXTRA_ID")
 POSTPROCESSING_INPUTS = ("TOKENS_BATCH", "SEQUENCE_LENGTH")
 
 
-def _single_row(name: str, array: np.ndarray) -> np.ndarray:
-    if array.ndim < 1 or array.shape[0] != 1:
+def _rows(name: str, array: np.ndarray, batch: int) -> np.ndarray:
+    if array.ndim < 1 or array.shape[0] != batch:
         raise InvalidRequestError(
-            f"{name} has batch size {array.shape[0] if array.ndim else 0}; send one prompt per request"
+            f"{name} has batch size {array.shape[0] if array.ndim else 0}, text_input has {batch}"
         )
-    return array[0]
+    return array
 
 
 def _text(value: object, name: str) -> str:
@@ -41,43 +47,94 @@ def _text(value: object, name: str) -> str:
         raise InvalidRequestError(f"{name} is not valid UTF-8: {error}") from error
 
 
-def _words(name: str, array: np.ndarray | None) -> list[str]:
-    if array is None:
+def _words(name: str, row: np.ndarray | None) -> list[str]:
+    if row is None:
         return []
-    return [_text(w, name) for w in _single_row(name, array).reshape(-1) if w not in (b"", "")]
+    return [_text(w, name) for w in row.reshape(-1) if w not in (b"", "")]
 
 
-def _scalar_or_missing(name: str, array: np.ndarray | None) -> np.ndarray:
+def _scalar_or_missing(name: str, array: np.ndarray | None, batch: int) -> np.ndarray:
     if array is None:
-        return np.full((1, 1), -1, dtype=np.int32)
-    row = _single_row(name, array).reshape(-1)
-    if row.size != 1:
-        raise InvalidRequestError(f"{name} must hold one value, got {row.size}")
-    return row.astype(np.int32).reshape(1, 1)
+        return np.full((batch, 1), -1, dtype=np.int32)
+    rows = _rows(name, array, batch).reshape(batch, -1)
+    if rows.shape[1] != 1:
+        raise InvalidRequestError(f"{name} must hold one value per prompt, got {rows.shape[1]}")
+    return rows.astype(np.int32)
+
+
+def _stack_word_lists(lists: list[np.ndarray]) -> np.ndarray:
+    """`[2, W_b]` word lists -> `[B, 2, max W]` (ids and offsets padded with -1)."""
+    width = max(a.shape[1] for a in lists)
+    out = np.full((len(lists), 2, width), -1, dtype=np.int32)
+    for b, array in enumerate(lists):
+        out[b, :, : array.shape[1]] = array
+    return out
+
+
+def _embedding_bias(tokenizer: Tokenizer, words: list[str], weights: np.ndarray | None, vocab: int) -> np.ndarray:
+    if len(words) != (0 if weights is None else weights.size):
+        raise InvalidRequestError(f"embedding_bias_words has {len(words)} words but embedding_bias_weights has "
+                                  f"{0 if weights is None else weights.size} weights: give one weight per word")
+    bias = np.zeros(vocab, dtype=np.float32)
+    for word, weight in zip(words, [] if weights is None else weights.reshape(-1).tolist(), strict=True):
+        if not np.isfinite(weight):
+            raise InvalidRequestError(f"embedding_bias_weights must be finite, got {weight} for {word!r}")
+        for token in tokenizer.encode(word, add_special_tokens=False).ids:
+            bias[token] += np.float32(weight)
+    return bias
 
 
 def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
                add_special_tokens: bool = True) -> dict[str, np.ndarray]:
-    """Tokenise one request's prompt and stop/bad words (see the module docstring for layouts)."""
+    """Tokenise each prompt of a request and its stop/bad/bias words (see the module docstring for layouts)."""
     if "QUERY" not in inputs:
         raise InvalidRequestError("text_input is missing: send the prompt as text_input")
-    query = _single_row("text_input", inputs["QUERY"]).reshape(-1)
-    if query.size != 1:
-        raise InvalidRequestError(f"text_input must hold exactly one prompt, got {query.size}")
-    prompt_ids = encode_prompt(tokenizer, _text(query[0], "text_input"), add_special_tokens)
-    output_len = _single_row("max_tokens", inputs["REQUEST_OUTPUT_LEN"]).reshape(-1)
-    if output_len.size != 1:
-        raise InvalidRequestError(f"max_tokens must hold one value, got {output_len.size}")
-    stop = word_list(tokenizer, _words("stop_words", inputs.get("STOP_WORDS_DICT")))
-    bad = word_list(tokenizer, _words("bad_words", inputs.get("BAD_WORDS_DICT")))
+    queries = np.asarray(inputs["QUERY"])
+    batch = queries.shape[0] if queries.ndim else 0
+    if batch < 1:
+        raise InvalidRequestError("text_input holds no prompt")
+    queries = queries.reshape(batch, -1)
+    if queries.shape[1] != 1:
+        raise InvalidRequestError(f"text_input must hold exactly one prompt per batch row, got {queries.shape[1]}")
+    for name, label in (("DECODER_QUERY", "decoder_text_input"), ("PROMPT_TABLE_EXTRA_ID", "prompt_table_extra_id")):
+        if name in inputs and any(v not in (b"", "", 0) for v in np.asarray(inputs[name]).reshape(-1).tolist()):
+            what = "encoder-decoder models" if name == "DECODER_QUERY" else "prompt-embedding tables"
+            raise InvalidRequestError(f"{label} is not supported: this engine serves decoder-only models without "
+                                      f"{what}; leave it empty")
+    output_len = _rows("max_tokens", np.asarray(inputs["REQUEST_OUTPUT_LEN"]), batch).reshape(batch, -1)
+    if output_len.shape[1] != 1:
+        raise InvalidRequestError(f"max_tokens must hold one value per prompt, got {output_len.shape[1]}")
+    pad = _scalar_or_missing("pad_id", inputs.get("PAD_ID"), batch)
+
+    def row(name: str, key: str, b: int) -> np.ndarray | None:
+        return _rows(name, np.asarray(inputs[key]), batch)[b] if key in inputs else None
+
+    prompts, stops, bads, biases = [], [], [], []
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    want_bias = "EMBEDDING_BIAS_WORDS" in inputs or "EMBEDDING_BIAS_WEIGHTS" in inputs
+    for b in range(batch):
+        prompts.append(encode_prompt(tokenizer, _text(queries[b, 0], "text_input"), add_special_tokens))
+        stops.append(word_list(tokenizer, _words("stop_words", row("stop_words", "STOP_WORDS_DICT", b))))
+        bads.append(word_list(tokenizer, _words("bad_words", row("bad_words", "BAD_WORDS_DICT", b))))
+        if want_bias:
+            words = _words("embedding_bias_words", row("embedding_bias_words", "EMBEDDING_BIAS_WORDS", b))
+            weights = row("embedding_bias_weights", "EMBEDDING_BIAS_WEIGHTS", b)
+            biases.append(_embedding_bias(tokenizer, words, weights, vocab))
+    length = max(len(p) for p in prompts)
+    input_ids = np.zeros((batch, length), dtype=np.int32)
+    for b, ids in enumerate(prompts):
+        input_ids[b, : len(ids)] = ids
+        input_ids[b, len(ids):] = max(int(pad[b, 0]), 0)
+    bias = np.stack(biases) if biases and any(x.any() for x in biases) else np.zeros((batch, 0), dtype=np.float32)
     return {
-        "INPUT_ID": np.asarray([prompt_ids], dtype=np.int32),
-        "REQUEST_INPUT_LEN": np.asarray([[len(prompt_ids)]], dtype=np.int32),
-        "REQUEST_OUTPUT_LEN": output_len.astype(np.int32).reshape(1, 1),
-        "STOP_WORDS_IDS": stop[np.newaxis],
-        "BAD_WORDS_IDS": bad[np.newaxis],
-        "OUT_END_ID": _scalar_or_missing("end_id", inputs.get("END_ID")),
-        "OUT_PAD_ID": _scalar_or_missing("pad_id", inputs.get("PAD_ID")),
+        "INPUT_ID": input_ids,
+        "REQUEST_INPUT_LEN": np.asarray([[len(p)] for p in prompts], dtype=np.int32),
+        "REQUEST_OUTPUT_LEN": output_len.astype(np.int32),
+        "STOP_WORDS_IDS": _stack_word_lists(stops),
+        "BAD_WORDS_IDS": _stack_word_lists(bads),
+        "EMBEDDING_BIAS": bias,
+        "OUT_END_ID": _scalar_or_missing("end_id", inputs.get("END_ID"), batch),
+        "OUT_PAD_ID": pad,
     }
 
 

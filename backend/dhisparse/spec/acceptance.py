@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dhisparse.engine.sampling import sample_from
+from dhisparse.sampling.sampler import sample_from
 
 
 def greedy_accept(target_logits: torch.Tensor, draft: torch.Tensor, lengths: torch.Tensor

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dhisparse.engine.sampling import sample_from, uniform
 from dhisparse.errors import ConfigError
 from dhisparse.model.config import ModelConfig
+from dhisparse.sampling.sampler import sample_from, uniform
 from dhisparse.spec.drafters import DFlash2Drafter, DSparkDrafter, confident_prefix_length, load_drafter
 from dhisparse.spec.ring import DraftRing
 

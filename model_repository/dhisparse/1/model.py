@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -28,10 +29,27 @@ class TritonPythonModel:
         overrides = {key.removeprefix("engine."): repository.parse_override(value)
                      for key, value in parameters.items() if key.startswith("engine.")}
         llm = LLM(parameters["engine_dir"], **overrides)
-        print(f"dhisparse: {llm.engine.workspace.describe()}; KV pool {llm.engine.cfg.pool_bytes} bytes", flush=True)
+        workspace = llm.engine.workspace
+        print(f"dhisparse: {workspace.describe() if workspace is not None else 'no workspace bound (deepseek_v4)'}; "
+              f"KV pool {llm.engine.cfg.pool_bytes} bytes", flush=True)
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
-        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s)
+        self.name = args["model_name"]
+        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s, on_engine_dead=self._engine_dead)
+        self.exclude_input_default = parameters.get("exclude_input_in_output", "true").lower() == "true"
+
+    def _engine_dead(self, reason: str) -> None:
+        """The engine stopped (every client has its error): unload this model so its readiness turns false.
+        Needs explicit model control (dhisparse-serve runs Triton so); otherwise it keeps answering errors."""
+        pb_utils.Logger.log_error(f"{self.name}: the engine stopped, unloading the model: {reason}")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.name)
+            except Exception as error:
+                pb_utils.Logger.log_error(f"{self.name}: could not unload itself ({error}); it answers errors")
+
+        threading.Thread(target=unload, name="dhisparse-unload", daemon=True).start()
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -39,12 +57,13 @@ class TritonPythonModel:
             try:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
                 target = self.requests.cancel_target(inputs)
-                if target is not None:  # control request from dhisparse_bls
-                    self.service.cancel_client(target)
+                if target is not None or self.requests.stop_requested(inputs):  # control: dhisparse_bls / stop
+                    self.service.cancel_client(target if target is not None else request.request_id())
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                self.service.start(self.requests.parse_llm_request(inputs), sender, request.request_id())
-            except ValueError as error:  # InvalidRequestError and SamplingParams' checks
+                parsed = self.requests.parse_llm_requests(inputs, self.exclude_input_default)
+                self.service.start_all(parsed, sender, request.request_id())
+            except Exception as error:  # bad input (ValueError), a stopped engine, anything: an error, never silence
                 sender.send(self.tensors.error_response(pb_utils, error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         # Decoupled: responses go through each request's sender, execute returns nothing.

@@ -26,6 +26,6 @@ class TritonPythonModel:
             try:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.text.POSTPROCESSING_INPUTS)
                 responses.append(self.tensors.response(pb_utils, self.text.postprocess(self.token_bytes, inputs)))
-            except ValueError as error:
+            except Exception as error:  # bad input or anything else: an error response, never silence
                 responses.append(self.tensors.error_response(pb_utils, error))
         return responses

@@ -27,6 +27,6 @@ class TritonPythonModel:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.text.PREPROCESSING_INPUTS)
                 outputs = self.text.preprocess(self.tokenizer, inputs, self.add_special_tokens)
                 responses.append(self.tensors.response(pb_utils, outputs))
-            except ValueError as error:
+            except Exception as error:  # bad input or anything else: an error response, never silence
                 responses.append(self.tensors.error_response(pb_utils, error))
         return responses

@@ -91,7 +91,7 @@ int32_t ResolverPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
     void* workspace, cudaStream_t stream) noexcept
 {
     cuda::ResolverArgs const args{inputDesc[0].dims.d[0], inputDesc[0].dims.d[1], inputDesc[1].dims.d[1],
-        inputDesc[2].dims.d[1], mPageRows, 4, inputs[5], inputs[0], inputs[1], inputs[2], inputs[3], inputs[4],
+        inputDesc[2].dims.d[1], mPageRows, 4, 0, inputs[5], inputs[0], inputs[1], inputs[2], inputs[3], inputs[4],
         outputs[0], static_cast<int8_t*>(outputs[1]), outputs[2], outputs[3], outputs[4], outputs[5], outputs[6],
         static_cast<int32_t*>(outputs[7])};
     return cuda::launch_resolver(args, workspace, stream) == cudaSuccess ? 0 : -1;

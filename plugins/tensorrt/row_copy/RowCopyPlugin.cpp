@@ -97,7 +97,7 @@ int32_t RowCopyPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
     void* /*workspace*/, cudaStream_t stream) noexcept
 {
     cuda::RowCopyArgs const args{nullptr, static_cast<uint64_t const*>(inputs[1]), outputs[0], mRowBytes, inputs[2],
-        inputs[3], inputDesc[2].dims.d[0], inputDesc[2].dims.d[1], 4};
+        inputs[3], inputDesc[2].dims.d[0], inputDesc[2].dims.d[1], 4, 0};
     return cuda::launch_row_copy(args, stream) == cudaSuccess ? 0 : -1;
 }
 

@@ -118,7 +118,7 @@ int32_t SparseMlaPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDesc,
 {
     nvinfer1::Dims const& q = inputDesc[0].dims;
     cuda::SparseMlaArgs const args{q.d[0], q.d[1], q.d[2], inputDesc[3].dims.d[2], mRank, mRope, mKvFormat,
-        inputDesc[0].type == DataType::kBF16, 4, mSoftmaxScale, inputs[0], inputs[1], inputs[2], inputs[3],
+        inputDesc[0].type == DataType::kBF16 ? 1 : 0, 4, mSoftmaxScale, inputs[0], inputs[1], inputs[2], inputs[3],
         outputs[0]};
     return cuda::launch_sparse_mla(args, stream) == cudaSuccess ? 0 : -1;
 }

@@ -8,7 +8,7 @@ extern "C" {
 #endif
 
 //! Bumped whenever a signature or a layout below changes.
-#define DHS_CPU_ABI_VERSION 1
+#define DHS_CPU_ABI_VERSION 2
 
 //! Columns of `summary` rows (dhisparse::SummaryColumn).
 #define DHS_SUMMARY_STATUS 0
@@ -49,6 +49,21 @@ int32_t dhs_resolve_batch_i32(int64_t num_sources, int64_t n_select, int64_t num
 
 //! Thread blocks the CUDA gather copy uses for a batch of `batch` requests (4..32).
 int32_t dhs_copy_grid_blocks(int64_t batch);
+
+//! Launch contract of plugins/common/include/dhisparse/launch.h (the structs the CUDA launchers take).
+#define DHS_LAUNCH_RESOLVER 0
+#define DHS_LAUNCH_ROW_COPY 1
+#define DHS_LAUNCH_SPARSE_MLA 2
+#define DHS_LAUNCH_PLAN 3
+
+//! Writes sizeof(struct) then the offset of every named field (declaration order) into out[0..cap); returns
+//! how many values there are (-1: unknown kind).
+int32_t dhs_launch_layout(int32_t kind, int64_t* out, int32_t cap);
+//! Reads the struct at `args` as the C++ launcher does and writes every named field as int64 (pointers as
+//! addresses, softmax_scale as its float bits); returns how many values there are.
+int32_t dhs_launch_fields(int32_t kind, void const* args, int64_t* out, int32_t cap);
+//! The launch plan (dhisparse::LaunchPlan, 32 bytes) of the struct at `args`; returns plan.status.
+int32_t dhs_launch_plan(int32_t kind, void const* args, void* plan);
 
 #ifdef __cplusplus
 }

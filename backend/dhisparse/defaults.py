@@ -1,0 +1,21 @@
+"""Runtime defaults shared by the engine (``EngineConfig``), the KV hierarchy (``KVConfig``) and the planner
+(``ServingSpec``, ``dhisparse-plan``): one source of truth, so the planner simulates what the engine runs.
+
+Values:
+    KV_POLICY: ``adaptive``.
+    PAGE_ROWS: 64 rows per KV page (SGLang's DSA page size, the paper's shared setup).
+    HOT_ROWS: 0 = ``index_topk`` of the model: one query's selection, with or without speculation (the rows
+        of a verification step that the hot cache cannot take go to verification staging).
+    RESERVE_BYTES: 0 (no admission reserve).
+    REFILL_PAGES_PER_STEP: 64 optional pages (of any source) refilled from host per step.
+    NUM_DRAFT_TOKENS: 4 (``gamma``, verification length ``gamma + 1``).
+"""
+
+from __future__ import annotations
+
+KV_POLICY = "adaptive"
+PAGE_ROWS = 64
+HOT_ROWS = 0
+RESERVE_BYTES = 0
+REFILL_PAGES_PER_STEP = 64
+NUM_DRAFT_TOKENS = 4

@@ -1,0 +1,132 @@
+"""The CUDA kernels behind the launcher layer: resolver, host→device row copy, sparse MLA decode.
+
+Every call packs an argument struct (:mod:`dhisparse.kernels.abi`) and launches through
+``dhisparse::cuda::launch_*`` — the host code the TensorRT plugins' ``enqueue`` runs — on torch's current
+CUDA stream (or the stream given). Launches are asynchronous; nothing here synchronises with the host except
+:meth:`CudaKernels.resolve`, which compacts the copy list like :func:`dhisparse.kv.resolver.resolve` (the
+self-check uses it). The request path uses :meth:`CudaKernels.resolve_padded`, whose copy list stays padded
+with ``-1`` on the device so that the row copy can consume it without a host round trip.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from dhisparse.kernels import abi
+from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
+
+RESOLVE_OUTPUTS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_position", "copy_slot", "copy_location",
+                   "summary")
+SUMMARY_STATUS, SUMMARY_COUNTS = 0, slice(3, 6)
+
+
+class KernelLaunchError(RuntimeError):
+    """A CUDA launcher refused its arguments or the launch failed."""
+
+
+class CudaKernels:
+    """Kernels from ``libdhisparse_cuda.so``; ``name == "cuda"``. Construct only where a GPU exists."""
+
+    name = "cuda"
+    on_device = True
+
+    def __init__(self, lib: ctypes.CDLL, device: torch.device) -> None:
+        self._lib = lib
+        self.device = device
+
+    def _check(self, what: str, rc: int) -> None:
+        if rc != 0:
+            name = self._lib.dhs_cuda_error_name(rc).decode()
+            raise KernelLaunchError(f"{what} kernel launch failed: {name} ({rc})")
+
+    @staticmethod
+    def _stream(stream: torch.cuda.Stream | None) -> int:
+        return (stream or torch.cuda.current_stream()).cuda_stream
+
+    # ---------------------------------------------------------------------------------------- resolver
+    def resolve_padded(
+        self, positions: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
+        hot_loc: torch.Tensor, stamp: int, page_rows: int,
+    ) -> dict[str, torch.Tensor]:
+        """Outputs of the resolver kernel as device tensors (``RESOLVE_OUTPUTS``): locations / steps / copy
+        lists ``[R, N]`` (copy lists ``-1`` padded, ascending), hot state ``[R, B]``, ``summary [R, 6]`` int32
+        (column 0 non-zero: that row's hot cache overflowed). Inputs: int64 device tensors, not modified."""
+        ins = [t.contiguous() for t in (positions, page_table, hot_pos, hot_stamp, hot_loc)]
+        positions, page_table, hot_pos, hot_stamp, hot_loc = ins
+        r, n = positions.shape
+        out = {
+            "locations": torch.empty_like(positions),
+            "steps": torch.empty(r, n, dtype=torch.int8, device=positions.device),
+            "hot_pos": torch.empty_like(hot_pos),
+            "hot_stamp": torch.empty_like(hot_stamp),
+            "copy_position": torch.empty_like(positions),
+            "copy_slot": torch.empty_like(positions),
+            "copy_location": torch.empty_like(positions),
+            "summary": torch.zeros(r, 6, dtype=torch.int32, device=positions.device),
+        }
+        stamp_t = torch.full((1,), stamp, dtype=positions.dtype, device=positions.device)
+        args = abi.pack_resolver(stamp_t, positions, page_table, hot_pos, hot_stamp, hot_loc, page_rows, out)
+        plan = self.plan(abi.KIND_RESOLVER, args)
+        workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=positions.device)
+        rc = self._lib.dhs_cuda_launch_resolver(ctypes.byref(args), workspace.data_ptr(), self._stream(None))
+        self._check("resolver", rc)
+        # The caching allocator may hand these to other work as soon as Python drops them: they were used on
+        # the current stream only, so ordinary stream semantics keep them valid until the kernel ran.
+        return out
+
+    def resolve(
+        self, positions: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
+        hot_loc: torch.Tensor, stamp: int, page_rows: int,
+    ) -> Resolution:
+        """:func:`dhisparse.kv.resolver.resolve` computed by the kernel (synchronises to compact the copy list)."""
+        out = self.resolve_padded(positions, page_table, hot_pos, hot_stamp, hot_loc, stamp, page_rows)
+        status = out["summary"][:, SUMMARY_STATUS]
+        if bool((status != 0).any()):
+            row = int(torch.nonzero(status)[0, 0])
+            raise HotCacheOverflowError(
+                f"request row {row}: the resolver kernel reports more misses than its hot cache of "
+                f"{hot_pos.shape[1]} slots can take; raise hot_rows (B)")
+        rows, cols = torch.nonzero(out["copy_position"] >= 0, as_tuple=True)
+        return Resolution(
+            locations=out["locations"], steps=out["steps"], hot_pos=out["hot_pos"], hot_stamp=out["hot_stamp"],
+            copy_request=rows, copy_position=out["copy_position"][rows, cols],
+            copy_slot=out["copy_slot"][rows, cols], copy_location=out["copy_location"][rows, cols],
+            counts=out["summary"][:, SUMMARY_COUNTS].to(torch.int64),
+        )
+
+    # ---------------------------------------------------------------------------------------- row copy
+    def copy_rows(self, host_rows: torch.Tensor, device_rows: torch.Tensor, src_rows: torch.Tensor,
+                  dst_rows: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+        """``device_rows[dst[r, i]] = host_rows[src[r, i]]`` where ``src >= 0``, read straight from pinned
+        ``host_rows`` by copy_grid_blocks(R) blocks (4..32). ``src_rows`` / ``dst_rows`` ``[R, M]`` on the
+        device. Asynchronous on ``stream``; the caller keeps every tensor alive until it completes."""
+        if not host_rows.is_pinned():
+            raise ValueError("copy_rows: host_rows must be pinned host memory (the kernel reads it over UVA)")
+        args = abi.pack_row_copy(host_rows, device_rows, src_rows, dst_rows)
+        self._check("row copy", self._lib.dhs_cuda_launch_row_copy(ctypes.byref(args), self._stream(stream)))
+
+    # ---------------------------------------------------------------------------------------- attention
+    def sparse_mla(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locations: torch.Tensor,
+                   softmax_scale: float, kv_format: int | None = None) -> torch.Tensor:
+        """Absorbed sparse MLA decode (see :func:`dhisparse.kernels.reference.sparse_mla_reference`);
+        returns ``out_lat [B, Q, H, rank]`` in ``q_lat``'s dtype."""
+        q_lat, q_pe, locations = q_lat.contiguous(), q_pe.contiguous(), locations.contiguous()
+        out = torch.empty_like(q_lat)
+        args = abi.pack_sparse_mla(q_lat, q_pe, kv, locations, softmax_scale, out, kv_format)
+        self._check("sparse MLA", self._lib.dhs_cuda_launch_sparse_mla(ctypes.byref(args), self._stream(None)))
+        return out
+
+    def supports_attention(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        """Whether :meth:`sparse_mla` takes this query / KV-row dtype pair (float32 or bfloat16, equal)."""
+        return q_dtype in abi.KV_FORMAT and kv_dtype in abi.KV_FORMAT
+
+    # ---------------------------------------------------------------------------------------- plans
+    def plan(self, kind: int, args: ctypes.Structure) -> abi.LaunchPlan:
+        """The launch plan of ``args`` (``plan_of_kind`` of launch.h, as the launcher computes it)."""
+        plan = abi.LaunchPlan()
+        status = self._lib.dhs_cuda_launch_plan(kind, ctypes.byref(args), ctypes.byref(plan))
+        if status not in (abi.PLAN_OK, abi.PLAN_EMPTY):
+            raise KernelLaunchError(abi.plan_error(("resolver", "row copy", "sparse MLA")[kind], status))
+        return plan

@@ -1,0 +1,164 @@
+"""Self-check of a kernel set against the torch reference, run before an engine serves on a GPU.
+
+Each kernel runs on small random inputs of irregular sizes (odd batch, selection and row counts, duplicates,
+unused ``-1`` entries, pages that are and are not resident, masked attention entries, a fully masked query)
+and is compared with :class:`dhisparse.kernels.torch_kernels.TorchKernels`: the resolver and the row copy
+exactly (every output, every byte), attention within a tolerance of its dtype. The comparison functions are
+pure and tested on CPU with deliberately wrong stand-ins, so that an untested kernel can never silently
+corrupt output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dhisparse.kernels.torch_kernels import TorchKernels
+from dhisparse.kv.resolver import Resolution
+
+RESOLUTION_FIELDS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_request", "copy_position", "copy_slot",
+                     "copy_location", "counts")
+ATTENTION_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+class KernelSelfCheckError(RuntimeError):
+    """A kernel disagreed with the torch reference at start."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    kernel: str  # "resolver", "row_copy", "sparse_mla"
+    case: str  # what was run, e.g. "R=3 N=211 B=260 int64"
+    mismatch: str | None  # None: equal to the reference; else what differs, first place first
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatch is None
+
+
+def compare_resolutions(got: Resolution, want: Resolution) -> str | None:
+    """``None`` when every field is identical (values and shapes, compared as int64 on the CPU)."""
+    for name in RESOLUTION_FIELDS:
+        a, b = getattr(got, name).detach().cpu().long(), getattr(want, name).detach().cpu().long()
+        if a.shape != b.shape:
+            return f"{name}: shape {list(a.shape)} != reference {list(b.shape)}"
+        diff = torch.nonzero(a != b)
+        if diff.numel():
+            at = tuple(int(i) for i in diff[0])
+            return f"{name}{list(at)}: {int(a[at])} != reference {int(b[at])} ({diff.shape[0]} entries differ)"
+    return None
+
+
+def compare_rows(got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """``None`` when the two ``[rows, ...]`` tensors are bitwise equal; else the first differing row."""
+    a, b = got.detach().cpu(), want.detach().cpu()
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"rows: {list(a.shape)} {a.dtype} != reference {list(b.shape)} {b.dtype}"
+    bad = (a.reshape(a.shape[0], -1).view(torch.uint8) != b.reshape(b.shape[0], -1).view(torch.uint8)).any(dim=1)
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten()
+        return f"row {int(rows[0])} differs from the reference ({rows.numel()} rows differ)"
+    return None
+
+
+def compare_attention(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str | None:
+    """``None`` when ``|got - want| <= tolerance * (1 + |want|)`` everywhere (and no NaN / inf)."""
+    a, b = got.detach().float().cpu(), want.detach().float().cpu()
+    if a.shape != b.shape:
+        return f"out_lat: shape {list(a.shape)} != reference {list(b.shape)}"
+    err = (a - b).abs()
+    bad = ~(err <= tolerance * (1 + b.abs()))  # NaN compares false: caught here
+    if bool(bad.any()):
+        at = tuple(int(i) for i in torch.nonzero(bad)[0])
+        return (f"out_lat{list(at)}: {float(a[at]):.6g} != reference {float(b[at]):.6g} "
+                f"(tolerance {tolerance}, {int(bad.sum())} values off)")
+    return None
+
+
+def _randint(g: torch.Generator, low: int, high: int) -> int:
+    return int(torch.randint(low, high, (1,), generator=g))
+
+
+def resolver_case(g: torch.Generator, requests: int, n: int, pages: int, page_rows: int, slots: int
+                  ) -> tuple[torch.Tensor, ...]:
+    """Random resolver inputs (CPU int64): about half the pages resident, 10 % unused entries, duplicates,
+    a half-filled hot cache with small stamps; ``slots >= n`` so that no request overflows."""
+    ready = torch.rand(requests, pages, generator=g) < 0.5
+    page_table = torch.where(ready, torch.randperm(requests * pages, generator=g).view(requests, pages), -1)
+    positions = torch.randint(0, pages * page_rows, (requests, n), generator=g)
+    positions[torch.rand(requests, n, generator=g) < 0.1] = -1
+    hot_pos = torch.full((requests, slots), -1, dtype=torch.int64)
+    filled = torch.randperm(pages * page_rows, generator=g)[: slots // 2]
+    hot_pos[:, : filled.numel()] = filled
+    hot_stamp = torch.randint(0, 5, (requests, slots), generator=g)
+    hot_loc = 10**6 + torch.arange(requests * slots).view(requests, slots)
+    return positions, page_table, hot_pos, hot_stamp, hot_loc
+
+
+def check_resolver(kernels: Any, device: torch.device, g: torch.Generator, cases: int = 4) -> list[CheckResult]:
+    reference, results = TorchKernels(), []
+    for _ in range(cases):
+        r, n, pages, page_rows = _randint(g, 1, 6), _randint(g, 1, 300), _randint(g, 1, 24), _randint(g, 1, 40)
+        slots = n + _randint(g, 0, 100)
+        case = resolver_case(g, r, n, pages, page_rows, slots)
+        want = reference.resolve(*case, stamp=7, page_rows=page_rows)
+        got = kernels.resolve(*(t.to(device) for t in case), stamp=7, page_rows=page_rows)
+        results.append(CheckResult("resolver", f"R={r} N={n} M={pages} P={page_rows} B={slots}",
+                                   compare_resolutions(got, want)))
+    return results
+
+
+def check_row_copy(kernels: Any, device: torch.device, g: torch.Generator) -> list[CheckResult]:
+    results = []
+    for requests, per, row_values, dtype in ((3, 17, 576, torch.bfloat16), (7, 5, 81, torch.float32),
+                                             (1, 1, 3, torch.bfloat16)):  # 16-, 4- and 1-byte accesses
+        host = torch.randn(997, row_values, generator=g).to(dtype)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        arena = torch.randn(1301, row_values, generator=g).to(dtype).to(device)
+        src = torch.randint(0, host.shape[0], (requests, per), generator=g)
+        src[torch.rand(requests, per, generator=g) < 0.2] = -1
+        dst = torch.randperm(arena.shape[0], generator=g)[: requests * per].view(requests, per)
+        expected = arena.cpu().clone()
+        TorchKernels().copy_rows(host.cpu(), expected, src, dst)
+        got = arena.clone()
+        kernels.copy_rows(host, got, src.to(device), dst.to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        results.append(CheckResult("row_copy", f"R={requests} M={per} row={row_values} {dtype}",
+                                   compare_rows(got, expected)))
+    return results
+
+
+def check_sparse_mla(kernels: Any, device: torch.device, g: torch.Generator,
+                     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> list[CheckResult]:
+    results = []
+    for dtype, (b, q, h, k, rank, rope, rows) in zip(dtypes, ((3, 2, 5, 37, 96, 32, 211), (2, 3, 7, 61, 64, 16, 150)),
+                                                     strict=False):
+        kv = torch.randn(rows, rank + rope, generator=g).to(dtype)
+        q_lat = torch.randn(b, q, h, rank, generator=g).to(dtype)
+        q_pe = torch.randn(b, q, h, rope, generator=g).to(dtype)
+        locations = torch.randint(0, rows, (b, q, k), generator=g)
+        locations[torch.rand(b, q, k, generator=g) < 0.15] = -1
+        locations[0, q - 1] = -1  # a fully masked query: zeros
+        scale = (rank + rope) ** -0.5
+        want = TorchKernels().sparse_mla(q_lat.float(), q_pe.float(), kv.float(), locations, scale)
+        got = kernels.sparse_mla(q_lat.to(device), q_pe.to(device), kv.to(device), locations.to(device), scale)
+        results.append(CheckResult("sparse_mla", f"B={b} Q={q} H={h} K={k} rank={rank} rope={rope} {dtype}",
+                                   compare_attention(got, want, ATTENTION_TOLERANCE[dtype])))
+    return results
+
+
+def run_self_check(kernels: Any, device: torch.device, seed: int = 0) -> list[CheckResult]:
+    """Every kernel of ``kernels`` on random irregular inputs against the torch reference."""
+    g = torch.Generator().manual_seed(seed)
+    return [*check_resolver(kernels, device, g), *check_row_copy(kernels, device, g),
+            *check_sparse_mla(kernels, device, g)]
+
+
+def failures(results: list[CheckResult]) -> str | None:
+    """One line per failed check, or ``None`` when every check passed."""
+    bad = [f"{r.kernel} ({r.case}): {r.mismatch}" for r in results if not r.ok]
+    return "; ".join(bad) if bad else None

@@ -1,0 +1,113 @@
+"""The KV step's device-kernel path (``dhisparse.kv.kernel_step``) driven on CPU by torch stand-ins.
+
+On a GPU the step resolves with the resolver kernel's padded output, computes host rows on the device, issues
+one row-copy launch per source on the copy stream (``CopyEngine.issue_gather``), lets readers wait on the copy
+instead of the host, and attends with the sparse MLA kernel over arena locations. Here the same plumbing runs
+with stand-ins that compute the kernels' outputs with torch (the resolver's padded form from the reference;
+attention with the model's own arithmetic), so any mistake in the plumbing — wrong host row, wrong slot, lost
+hot-cache update, a fetch read before it is done — changes the tokens or the statistics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import random_prompts
+
+from dhisparse import LLM, SamplingParams
+from dhisparse.errors import ConfigError, RequestFailedError
+from dhisparse.kernels import selection
+from dhisparse.kernels.selection import KernelSelection
+from dhisparse.kernels.torch_kernels import TorchKernels
+from dhisparse.kv.resolver import HotCacheOverflowError
+
+
+class DevicePathStandIn(TorchKernels):
+    """Kernel outputs computed by torch, selected as if they ran on the device."""
+
+    name = "standin"
+    on_device = True
+
+    def __init__(self) -> None:
+        self.calls = {"resolve_padded": 0, "copy_rows": 0, "sparse_mla": 0}
+
+    def resolve_padded(self, *args, **kwargs):
+        self.calls["resolve_padded"] += 1
+        return super().resolve_padded(*args, **kwargs)
+
+    def copy_rows(self, host_rows, device_rows, src_rows, dst_rows, stream=None) -> None:
+        self.calls["copy_rows"] += 1
+        keep = src_rows >= 0
+        device_rows[dst_rows[keep]] = host_rows[src_rows[keep]]
+
+    def sparse_mla(self, q_lat, q_pe, kv, locations, softmax_scale, kv_format=None) -> torch.Tensor:
+        """The model's attention arithmetic (``IndexedMLA``) over rows read by location."""
+        self.calls["sparse_mla"] += 1
+        rank = q_lat.shape[-1]
+        rows = kv[locations.clamp(min=0)].masked_fill((locations < 0).unsqueeze(-1), 0)
+        latent, pe = rows[..., :rank], rows[..., rank:]
+        scores = torch.einsum("bqhr,bqkr->bqhk", q_lat, latent) + torch.einsum("bqhp,bqkp->bqhk", q_pe, pe)
+        scores = (scores * softmax_scale).masked_fill((locations < 0).unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        return torch.einsum("bqhk,bqkr->bqhr", probs, latent)
+
+
+@pytest.fixture
+def standin(monkeypatch: pytest.MonkeyPatch) -> DevicePathStandIn:
+    kernels = DevicePathStandIn()
+    real = selection.select_kernels
+    monkeypatch.setattr(selection, "select_kernels", lambda option, device: real(option, device)
+                        if option == "torch" else KernelSelection(option, kernels, "test stand-in"))
+    return kernels
+
+
+def test_device_path_gives_the_torch_path_tokens_and_statistics(tiny_engine, standin) -> None:
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    prompts = random_prompts([9, 61], 96, seed=3)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    options = {"kv_policy": "adaptive", "page_rows": 4, "refill_pages_per_step": 2}
+    probe = LLM(engine_dir, kernels="torch", **options)
+    pool = 2 * probe.engine.kv.required_bytes(61, 8)  # tight: most prompt pages live on the host
+    ref_llm = LLM(engine_dir, kernels="torch", pool_bytes=pool, **options)
+    expected = [o.token_ids for o in ref_llm.generate(prompts, params)]
+    llm = LLM(engine_dir, pool_bytes=pool, **options)
+    assert llm.engine.kv.kernels.kernels is standin and ref_llm.engine.kv.kernels.name == "torch"
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    ref, now = ref_llm.stats(), llm.stats()
+    for name in ("kv_rows_direct", "kv_rows_hot", "kv_rows_host", "kv_resolver_calls"):
+        assert now[name] == ref[name], name
+    assert now["kv_rows_host"] > 0  # the fetch path really ran
+    assert all(count > 0 for count in standin.calls.values()), standin.calls
+    assert standin.calls["resolve_padded"] == now["kv_resolver_calls"]
+    llm.engine.kv.poll()
+    llm.engine.kv.check_invariants()
+
+
+def test_device_path_reports_a_hot_cache_overflow_when_the_copy_completes(tiny_engine) -> None:
+    class Overflowing(DevicePathStandIn):
+        def resolve_padded(self, *args, **kwargs):
+            out = super().resolve_padded(*args, **kwargs)
+            out["summary"][0, 0] = 1  # what the kernel writes when a row's misses exceed its free slots
+            return out
+
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    kernels = Overflowing()
+    llm = LLM(engine_dir, kv_policy="hisparse", page_rows=4)
+    llm.engine.kv.kernels = KernelSelection("cuda", kernels, "test stand-in")
+    prompt = random_prompts([40], 96, seed=4)[0]
+    with pytest.raises(RequestFailedError) as failure:  # the engine ends the request with the overflow's message
+        llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = failure.value.outputs[0]
+    assert out.finish_reason == "error"
+    assert HotCacheOverflowError.__name__ in out.error and "resolver kernel" in out.error
+
+
+def test_the_engine_selects_torch_on_cpu_and_refuses_cuda_kernels(tiny_engine) -> None:
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    with pytest.raises(ConfigError, match=r"kernels='cuda' needs device='cuda'"):
+        LLM(engine_dir, kernels="cuda")
+    with pytest.raises(ConfigError, match=r"kernels='cuda'"):
+        LLM(engine_dir, kernels="cuda", kv_policy="dense")
+    stats = LLM(engine_dir, kv_policy="adaptive").stats()
+    assert stats["kv_kernels_cuda"] == 0.0 and stats["kv_kernels_fallback"] == 0.0

@@ -1,0 +1,103 @@
+"""Cancellation is seen wherever the request is: here while it waits for admission, and non-streaming.
+
+Over HTTP (the generate endpoint) Triton 2.51 does not turn a dropped connection into a cancellation (its
+documentation: gRPC and the C API only), so such a request runs to its end; the test pins that down.
+
+Long requests fill the pool so that the victim waits (engine gauge `requests_waiting`); the victim's client then
+cancels. The engine aborts it (nothing was admitted, nothing leaks) and the fillers are unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import socket
+import time
+import uuid
+
+import pytest
+from conftest import LONG
+from idle import IDLE, settle, wait_idle
+from test_cancellation import _wait_for
+
+FILLERS = 12
+
+
+def _start(grpc_url: str, model: str, values: dict, output: str):
+    """An open gRPC stream with one request in flight (cancel with `stop_stream(cancel_requests=True)`)."""
+    import tritonclient.grpc as grpcclient
+
+    from dhisparse_client.client import _grpc_inputs
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer(model, _grpc_inputs(values), request_id=uuid.uuid4().hex,
+                              enable_empty_final_response=True)
+    return client, responses
+
+
+def _http_generate_then_drop(http_url: str, model: str, body: dict) -> socket.socket:
+    host, port = http_url.split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = json.dumps(body).encode()
+    sock.sendall(f"POST /v2/models/{model}/generate HTTP/1.1\r\nHost: {http_url}\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def _settled_waiting(client) -> float:
+    """The engine's waiting gauge once it stopped changing over a few metrics refreshes."""
+    last, stable = -1.0, 0
+    while stable < 5:
+        time.sleep(0.2)
+        now = client.metrics().get("requests_waiting", 0.0)
+        stable, last = (stable + 1, now) if now == last else (0, now)
+    return last
+
+
+@pytest.mark.parametrize("how", ["dhisparse-grpc", "dhisparse_bls-grpc", "dhisparse_bls-http"])
+def test_a_waiting_non_streaming_request_is_cancelled(served, prompt_runs_long, how):
+    model, transport = how.split("-")
+    client = served.client()
+    settle(client)
+    before = client.metrics()
+    fill = {"input_ids": prompt_runs_long, "input_lengths": len(prompt_runs_long), "request_output_len": LONG,
+            "streaming": True}
+    fillers = [_start(served.grpc_url, "dhisparse", fill, "output_ids") for _ in range(FILLERS)]
+    try:
+        _wait_for(lambda: client.metrics().get("kv_requests_running", 0.0) >= 1.0)
+        queued = _settled_waiting(client)  # fillers the pool cannot admit (they run long: this stays put)
+        if model == "dhisparse":
+            victim = {"input_ids": prompt_runs_long, "input_lengths": len(prompt_runs_long),
+                      "request_output_len": LONG, "streaming": False}
+        else:
+            victim = {"text_input": "To be", "max_tokens": LONG, "stream": False}
+        if transport == "grpc":
+            grpc_client, _ = _start(served.grpc_url, model, victim, "output_ids")
+        else:
+            sock = _http_generate_then_drop(served.http_url, model, victim)
+        _wait_for(lambda: client.metrics().get("requests_waiting", 0.0) >= queued + 1)  # the victim is queued
+        if transport == "grpc":
+            grpc_client.stop_stream(cancel_requests=True)
+            grpc_client.close()
+        else:
+            sock.close()
+        if transport == "grpc":
+            _wait_for(lambda: client.metrics().get("serving_cancelled_requests", 0.0)
+                      > before.get("serving_cancelled_requests", 0.0), timeout_s=30)
+            _wait_for(lambda: client.metrics().get("requests_aborted", 0.0) > before.get("requests_aborted", 0.0))
+    finally:
+        for grpc_filler, _ in fillers:
+            grpc_filler.stop_stream(cancel_requests=True)
+            grpc_filler.close()
+    assert wait_idle(client, timeout_s=60) == IDLE
+    after = client.metrics()
+    aborted = after["requests_aborted"] - before.get("requests_aborted", 0.0)
+    cancelled = after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0)
+    if transport == "grpc":
+        assert (aborted, cancelled) == (FILLERS + 1, FILLERS + 1)
+    else:
+        # Triton 2.51 forwards cancellation from gRPC and the C API only: a dropped HTTP generate request runs to
+        # its end (it is not aborted), then its memory is released like any finished request's.
+        assert (aborted, cancelled) == (FILLERS, FILLERS)
