@@ -34,6 +34,14 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Depth variants of ``glm_fsfs_sparse`` (not part of the exactness sweep): host reads per step must not depend on
+# the number of layers, and per-layer KV overhead is measured on a deeper model (scripts/bench_model.py).
+DEPTH_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    f"glm_fsfs_{n}layer": ("glm_moe_dsa", dict(index_topk=8, index_topk_pattern="FS" * (n // 2), num_hidden_layers=n))
+    for n in (2, 12, 16)
+}
+
+
 def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
     """Write the named tiny model to ``root/name`` (once) and return the directory."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -41,7 +49,7 @@ def make_checkpoint(root: Path, name: str, seed: int = 0) -> Path:
     out = root / name
     if (out / "config.json").exists():
         return out
-    family, overrides = CONFIGS[name]
+    family, overrides = CONFIGS[name] if name in CONFIGS else DEPTH_VARIANTS[name]
     kwargs = {**BASE, **overrides}
     if family == "glm_moe_dsa":
         cfg, cls = GlmMoeDsaConfig(**kwargs), GlmMoeDsaForCausalLM

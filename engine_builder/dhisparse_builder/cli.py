@@ -23,7 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter", action="append", type=Path, default=[], help="drafter checkpoint to pack (repeatable)")
     g = p.add_argument_group("runtime defaults (runtime.json; each can be overridden by LLM(...) / dhisparse-serve)")
     g.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
-    g.add_argument("--pool-bytes", type=int, default=None, help="device KV pool budget in bytes")
+    g.add_argument("--pool-bytes", type=lambda v: 0 if v == "auto" else int(v), default=None,
+                   help="device KV pool budget in bytes, or 'auto' (sized from the free device memory at start)")
     g.add_argument("--hot-rows", type=int, default=None, help="hot-cache rows B per request and source")
     g.add_argument("--page-rows", type=int, default=None, help="rows per KV page")
     g.add_argument("--reserve-bytes", type=int, default=None, help="admission reserve in bytes")

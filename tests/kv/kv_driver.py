@@ -187,7 +187,10 @@ def make_layout(kind: str, dtype: torch.dtype = torch.float32, topk: int = 4) ->
 
 
 def make_manager(layout: KVLayout, policy: str, pool_bytes: int, hot_rows: int = 8, page_rows: int = 4,
-                 max_query_len: int = 1, reserve_bytes: int = 0, refill: int = 2) -> KVManager:
+                 max_query_len: int = 1, reserve_bytes: int = 0, refill: int = 2, host_bytes: int = 1 << 20,
+                 host_chunk_bytes: int | None = None, debug_checks: bool = False) -> KVManager:
     cfg = KVConfig(policy=policy, pool_bytes=pool_bytes, hot_rows=hot_rows, page_rows=page_rows,
-                   reserve_bytes=reserve_bytes, refill_pages_per_step=refill, max_query_len=max_query_len)
-    return KVManager(layout, cfg, torch.device("cpu"), poison_freed=True)
+                   reserve_bytes=reserve_bytes, refill_pages_per_step=refill, max_query_len=max_query_len,
+                   host_bytes=host_bytes)
+    return KVManager(layout, cfg, torch.device("cpu"), poison_freed=True, debug_checks=debug_checks,
+                     host_chunk_bytes=host_chunk_bytes)

@@ -209,7 +209,7 @@ def test_tail_page_is_backed_up_when_complete_and_leaves_the_tail_when_the_backu
 
 
 def test_rejected_speculative_rows_leave_no_trace() -> None:
-    m = make_manager(make_layout("glm"), "adaptive", 100_000, hot_rows=12, max_query_len=3)
+    m = make_manager(make_layout("glm"), "adaptive", 100_000, hot_rows=12, max_query_len=3, debug_checks=True)
     d = KVDriver(m)
     assert d.submit("a", 7, 9)
     d.step(["a"], 3, accept={"a": 1})  # positions 7, 8, 9 written; only 7 kept

@@ -132,3 +132,23 @@ def test_speculative_memory_is_exactly_ring_plus_staging(spec_engine, policy):
     spec.engine.kv.poll()
     assert spec.engine.kv.stats()["kv_required_bytes"] == 0  # everything released, ring slot included
     assert len(spec.engine.spec.ring.free) == spec.config.max_batch_size
+
+
+@pytest.mark.parametrize("kind,reads", [("dflash2", 1), ("dspark", 2)])
+def test_verification_step_reads_the_host_a_constant_number_of_times(spec_engine, kind, reads):
+    """One host read per verification step (acceptance, next tokens and the KV report together); DSpark adds
+    one before verifying (its confidence decides the verification length). Batch 1 and 4 alike."""
+    seen = set()
+    for batch in (1, 4):
+        llm = LLM(spec_engine, kv_policy="hisparse", speculative=kind, num_draft_tokens=3, page_rows=8,
+                  max_batch_size=4)
+        engine = llm.engine
+        for p in random_prompts([31, 22, 40, 27][:batch], 96, seed=4):
+            engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+        engine.step()  # admissions, prefill and the first verification step
+        while engine.has_unfinished():
+            before = engine.kv.sync.reads
+            engine.step()
+            seen.add(engine.kv.sync.reads - before)
+        assert llm.stats()["kv_rows_host"] > 0
+    assert seen == {reads}

@@ -16,6 +16,7 @@ from dhisparse.kv.policies import ENGINE_POLICIES, policy_named
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 KV_POLICIES = ENGINE_POLICIES  # the hierarchy's policies and the dense reference (dhisparse.kv.policies)
 SPECULATIVE = (None, "dflash2", "dspark")
+KV_DTYPES = ("auto", "fp8")
 KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection
 
 
@@ -31,10 +32,12 @@ class EngineConfig:
     prefill_chunk_tokens: int = 512
     max_prefill_tokens_per_step: int = 4096
     kv_policy: str = defaults.KV_POLICY
-    pool_bytes: int = 256 * 1024 * 1024
+    pool_bytes: int = 256 * 1024 * 1024  # 0 ("auto"): the device's free memory less the workspace bound
     hot_rows: int = defaults.HOT_ROWS  # 0: index_topk, with or without speculation (overflow goes to staging)
     page_rows: int = defaults.PAGE_ROWS
     reserve_bytes: int = defaults.RESERVE_BYTES
+    host_bytes: int = 0  # 0: half of the machine's physical memory
+    kv_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy policies only)
     refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     speculative: str | None = None
     num_draft_tokens: int = defaults.NUM_DRAFT_TOKENS
@@ -47,16 +50,22 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        policy_named(self.kv_policy, "kv_policy")
+        policy = policy_named(self.kv_policy, "kv_policy")
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype == "fp8" and policy.reference_store:
+            raise ConfigError("kv_dtype 'fp8' needs a KV hierarchy policy (resident, hisparse or adaptive), "
+                              "not the dense reference store")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be None, 'dflash2' or 'dspark', got {self.speculative!r}")
-        for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "pool_bytes",
-                     "page_rows", "refill_pages_per_step", "num_draft_tokens"):
+        for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "page_rows",
+                     "refill_pages_per_step", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_model_len", "max_new_tokens_limit", "hot_rows", "reserve_bytes", "dspark_busy_batch"):
+        for name in ("max_model_len", "max_new_tokens_limit", "pool_bytes", "hot_rows", "reserve_bytes", "host_bytes",
+                     "dspark_busy_batch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("dspark_min_confidence", "dspark_busy_confidence"):

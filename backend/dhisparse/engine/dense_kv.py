@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.kv.host_sync import HostSync
 from dhisparse.model.config import ModelConfig
 
 
@@ -25,7 +26,7 @@ class DenseStepKV:
     def __init__(self, stores: list[_Store], query_len: int, device: torch.device) -> None:
         self.stores, self.query_len = stores, query_len
         self.lengths = torch.tensor([s.length + query_len for s in stores], dtype=torch.int64, device=device)
-        self._tmax = int(self.lengths.max())
+        self.max_length = max(s.length for s in stores) + query_len
 
     def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         for b, s in enumerate(self.stores):
@@ -33,16 +34,21 @@ class DenseStepKV:
             if index_keys is not None:
                 s.keys[layer][s.length:s.length + self.query_len] = index_keys[b]
 
-    def index_keys(self, layer: int) -> torch.Tensor:
+    def index_keys(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = self.max_length if stop is None else stop
         out = []
         for s in self.stores:
-            k = s.keys[layer][: self._tmax]
-            if k.shape[0] < self._tmax:
-                k = torch.nn.functional.pad(k, (0, 0, 0, self._tmax - k.shape[0]))
+            k = s.keys[layer][start:stop]
+            if k.shape[0] < stop - start:
+                k = torch.nn.functional.pad(k, (0, 0, 0, stop - start - k.shape[0]))
             out.append(k)
         keys = torch.stack(out)
-        t = torch.arange(self._tmax, device=keys.device)
+        t = torch.arange(start, stop, device=keys.device)
         return keys.masked_fill((t.unsqueeze(0) >= self.lengths.unsqueeze(1)).unsqueeze(-1), 0)
+
+    def report(self) -> torch.Tensor:
+        """Nothing to check: an empty report (same interface as the hierarchy's ``StepKV``)."""
+        return torch.zeros(0, dtype=torch.int64, device=self.lengths.device)
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         out = torch.stack([s.rows[layer][positions[b].clamp(min=0)] for b, s in enumerate(self.stores)])
@@ -58,6 +64,7 @@ class DenseKVManager:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_query_len: int = 1) -> None:
         self.cfg, self.dtype, self.device, self.max_query_len = cfg, dtype, device, max_query_len
         self.stores: dict[str, _Store] = {}
+        self.sync = HostSync()
         self._step: tuple[list[str], int] | None = None
 
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
@@ -80,7 +87,7 @@ class DenseKVManager:
         self._step = (list(request_ids), query_len)
         return DenseStepKV([self.stores[r] for r in request_ids], query_len, self.device)
 
-    def end_step(self, accepted: dict[str, int]) -> None:
+    def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
         assert self._step is not None
         request_ids, query_len = self._step
         for r in request_ids:
@@ -108,7 +115,7 @@ class DenseKVManager:
         return None
 
     def stats(self) -> dict[str, float]:
-        return {"kv_requests": float(len(self.stores))}
+        return {"kv_requests": float(len(self.stores)), "kv_host_syncs": float(self.sync.reads)}
 
     def request_stats(self, request_id: str) -> dict[str, float]:
         return {}

@@ -26,11 +26,11 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
     from dhisparse.kv import KVConfig, KVLayout, KVManager
 
-    layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype)
+    layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype, "fp8" if cfg.kv_dtype == "fp8" else "native")
     kv_cfg = KVConfig(
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows, page_rows=cfg.page_rows,
         reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
-        max_query_len=max_query_len, draft_ring_bytes=draft_ring_bytes,
+        max_query_len=max_query_len, draft_ring_bytes=draft_ring_bytes, host_bytes=cfg.host_bytes,
     )
     return KVManager(layout, kv_cfg, device, kernels=kernels)
 
@@ -38,6 +38,9 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
 def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max_query_len: int,
                          draft_ring_bytes: int):
     """V4: ``dense`` keeps whole states; the hierarchy's policies hold CSA entries (``engine/v4_hierarchy.py``)."""
+    if cfg.kv_dtype != "auto":
+        raise ConfigError(f"kv_dtype {cfg.kv_dtype!r}: deepseek_v4 keeps its entries in the model dtype; "
+                          "use kv_dtype='auto'")
     if policy_named(cfg.kv_policy, "kv_policy").reference_store:
         from dhisparse.engine.v4_kv import V4DenseKVManager
 
@@ -53,5 +56,6 @@ def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows or model_cfg.index_topk * max_query_len,
         page_rows=cfg.page_rows, reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
         max_query_len=-(-max_query_len // model_cfg.compress_rate_csa), draft_ring_bytes=draft_ring_bytes,
+        host_bytes=cfg.host_bytes,
     )
     return V4HierarchyKVManager(model_cfg, kv_cfg, cfg.torch_dtype, device, max_model_len)

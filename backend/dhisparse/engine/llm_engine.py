@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import logging
 import time
 import zlib
 from collections.abc import Callable
@@ -15,7 +17,8 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.faults import FaultInjector, FaultyStepKV
 from dhisparse.engine.kv_factory import make_kv_manager
 from dhisparse.engine.request import Request, RequestUpdate, Status
-from dhisparse.errors import EngineDeadError, InvalidRequestError
+from dhisparse.engine.workspace import auto_pool_bytes, workspace_bound
+from dhisparse.errors import ConfigError, EngineDeadError, InvalidRequestError
 from dhisparse.kv.copies import CopyError
 from dhisparse.model.model import DSAModel
 from dhisparse.sampling import (
@@ -31,6 +34,8 @@ from dhisparse.sampling import (
 )
 from dhisparse.spec.acceptance import greedy_accept, rejection_accept
 from dhisparse.spec.speculator import Speculator
+
+log = logging.getLogger("dhisparse")
 
 
 class BatchSampling(NamedTuple):
@@ -88,6 +93,19 @@ class LLMEngine:
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or self.max_model_len
         self.eos_token_ids = set(mcfg.eos_token_id)
         self.query_len = 1 + (speculator.gamma if speculator else 0)
+        # The workspace bound models the DSA (GLM / DeepSeek-V3.2) forward; deepseek_v4 has none yet.
+        self.workspace = None if getattr(mcfg, "model_type", None) == "deepseek_v4" else workspace_bound(
+            mcfg, cfg.torch_dtype, max_batch_size=cfg.max_batch_size, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
+            query_len=self.query_len, max_model_len=self.max_model_len, page_rows=cfg.page_rows,
+            hot_rows=cfg.hot_rows or mcfg.index_topk)
+        if cfg.pool_bytes == 0:  # "auto"
+            if self.workspace is None:
+                raise ConfigError("pool_bytes 0 ('auto') needs the device workspace bound, which is not modelled "
+                                  "for deepseek_v4; set pool_bytes")
+            cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(torch.device(cfg.device), self.workspace))
+            self.cfg = cfg
+        if self.workspace is not None:
+            log.info("%s; KV pool %d bytes", self.workspace.describe(), cfg.pool_bytes)
         ring = speculator.ring_bytes_per_request if speculator is not None else 0
         self.kv = make_kv_manager(mcfg, cfg, self.query_len, draft_ring_bytes=ring)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -294,12 +312,17 @@ class LLMEngine:
         positions = torch.tensor([[r.num_computed] for r in batch], dtype=torch.int64, device=dev)
         step_kv = self._faulty(self.kv.begin_step([r.request_id for r in batch], 1), "decode_forward")
         out = self.model.forward(ids, positions, step_kv)
-        self.kv.end_step({r.request_id: 1 for r in batch})
+        sampling = self._batch_sampling(batch)
+        processed = sampling.process(out.logits[:, -1].unsqueeze(1))[:, 0]
+        tokens_t = self._sample_tensor(batch, sampling, processed)
+        # One host read per decode step: the sampled tokens together with the KV step's report.
+        (tokens,), report = self._read_step(step_kv, tokens_t)
+        self._end_step({r.request_id: 1 for r in batch}, report)
         self.counters["decode_steps"] += 1
         self.counters["decode_batch_rows"] += len(batch)
         for req in batch:
             req.num_computed += 1
-        self._sample_and_append(list(batch), out.logits[:, -1], updates)
+        self._append_sampled(list(batch), sampling, processed, tokens_t, tokens, updates)
 
     def _speculative_decode(self, updates: list[RequestUpdate]) -> None:
         """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance."""
@@ -309,9 +332,11 @@ class LLMEngine:
         last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
         sampling = self._batch_sampling(batch)
         self.faults.hit("draft_propose")
-        draft, q_draft, lengths, _ = spec.propose(slots, last, len(batch), sampling.temperature, sampling.seeds,
-                                                  sampling.counters)
-        q_len = int(lengths.max()) + 1  # every request verifies its own `lengths[b]`; the batch pads to the max
+        draft, q_draft, lengths, confidence = spec.propose(slots, last, len(batch), sampling.temperature,
+                                                           sampling.seeds, sampling.counters)
+        # Every request verifies its own `lengths[b]`; the batch pads to the max (without a confidence head every
+        # request verifies all gamma drafts, known without reading the device).
+        q_len = spec.gamma + 1 if confidence is None else self._read(lengths.max())[0][0] + 1
         draft, q_draft = draft[:, : q_len - 1], q_draft[:, : q_len - 1]
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
         base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
@@ -320,21 +345,25 @@ class LLMEngine:
         step_kv = self._faulty(step_kv, "verify_forward")
         out = self.model.forward(ids, positions, step_kv, all_logits=True, capture_hidden=spec.layers)
         logits = sampling.process(out.logits, draft)  # the same processing as the plain path, per position
-        accepted, next_tokens = self._accept(sampling, logits, draft, q_draft, lengths)
+        any_sampled = any(r.params.temperature > 0 for r in batch)
+        accepted, next_tokens = self._accept(sampling, logits, draft, q_draft, lengths, any_sampled)
         emitted = torch.cat([draft, next_tokens.unsqueeze(1)], dim=1).scatter(  # [B, Q]: d_1 … d_n, next
             1, accepted.unsqueeze(1), next_tokens.unsqueeze(1))
         extras = self._token_extras(batch, sampling, logits, emitted)
-        kept = accepted + 1  # the last accepted token's row and the accepted drafts' rows stay
-        self.kv.end_step({r.request_id: int(k) for r, k in zip(batch, kept.tolist(), strict=False)})
-        spec.advance(slots, spec.features(out.hidden), kept)
+        # One host read after verification: acceptance, next tokens, drafts and lengths with the KV step's report.
+        (acc_l, next_l, draft_flat, len_l), report = self._read_step(step_kv, accepted, next_tokens, draft, lengths)
+        kept_l = [n + 1 for n in acc_l]  # the last accepted token's row and the accepted drafts' rows stay
+        self._end_step({r.request_id: k for r, k in zip(batch, kept_l, strict=True)}, report)
+        spec.advance(slots, spec.features(out.hidden), accepted + 1)
         self.counters["verify_steps"] += 1
         self.counters["verify_rows"] += len(batch)
-        self.counters["draft_tokens_proposed"] += int(lengths.sum())
-        self.counters["draft_tokens_accepted"] += int(accepted.sum())
-        self.counters["draft_tokens_shortened"] += int((spec.gamma - lengths).sum())
-        for b, (req, n, k, nxt, row, g) in enumerate(zip(list(batch), accepted.tolist(), kept.tolist(),
-                                                         next_tokens.tolist(), draft.tolist(), lengths.tolist(),
-                                                         strict=False)):
+        self.counters["draft_tokens_proposed"] += sum(len_l)
+        self.counters["draft_tokens_accepted"] += sum(acc_l)
+        self.counters["draft_tokens_shortened"] += sum(spec.gamma - g for g in len_l)
+        width = draft.shape[1]
+        draft_l = [draft_flat[i * width:(i + 1) * width] for i in range(len(batch))]
+        for b, (req, n, k, nxt, row, g) in enumerate(zip(list(batch), acc_l, kept_l, next_l, draft_l, len_l,
+                                                         strict=True)):
             req.num_computed += k
             req.counters["draft_tokens_proposed"] = req.counters.get("draft_tokens_proposed", 0.0) + g
             req.counters["draft_tokens_accepted"] = req.counters.get("draft_tokens_accepted", 0.0) + n
@@ -345,13 +374,37 @@ class LLMEngine:
     def _faulty(self, step_kv: object, site: str) -> object:
         return FaultyStepKV(step_kv, self.faults, site, self._fault_layer) if self.faults.enabled else step_kv
 
+    # ------------------------------------------------------------------------------------------ host reads
+    def _read(self, *tensors: torch.Tensor) -> list[list]:
+        """Every tensor's values (flattened) in one host read, counted by the KV manager's ``HostSync`` where it
+        has one (the deepseek_v4 managers do not: plain reads)."""
+        sync = getattr(self.kv, "sync", None)
+        if sync is None:
+            return [t.reshape(-1).tolist() for t in tensors]
+        return sync.read(*tensors)
+
+    def _read_step(self, step_kv: object, *tensors: torch.Tensor) -> tuple[list[list], list[int] | None]:
+        """``tensors`` and the KV step's deferred report (where its manager defers its checks) in one read."""
+        report = getattr(step_kv, "report", None)
+        if report is None or getattr(self.kv, "sync", None) is None:
+            return self._read(*tensors), None
+        *values, rep = self._read(*tensors, report())
+        return values, rep
+
+    def _end_step(self, accepted: dict[str, int], report: list[int] | None) -> None:
+        if report is None:
+            self.kv.end_step(accepted)
+        else:
+            self.kv.end_step(accepted, report=report)
+
     @staticmethod
     def _accept(sampling: BatchSampling, logits: torch.Tensor, draft: torch.Tensor, q_draft: torch.Tensor,
-                lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy rows: prefix match. Sampled rows: rejection sampling against the drafts' proposal law ``q``."""
+                lengths: torch.Tensor, any_sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy rows: prefix match. Sampled rows: rejection sampling against the drafts' proposal law ``q``.
+        ``any_sampled``: whether a row has a temperature above 0 (known on the host)."""
         accepted, next_tokens = greedy_accept(logits, draft, lengths)
         sampled = sampling.temperature > 0
-        if not bool(sampled.any()):
+        if not any_sampled:
             return accepted, next_tokens
         b, q, v = logits.shape
         p = filtered_probs(logits.reshape(b * q, v), sampling.temperature.repeat_interleave(q),
@@ -365,13 +418,22 @@ class LLMEngine:
     def _batch_sampling(self, batch: list[Request]) -> BatchSampling:
         return BatchSampling.of(batch, self.model.device, tuple(self.eos_token_ids), self.model.cfg.vocab_size)
 
+    @staticmethod
+    def _sample_tensor(batch: list[Request], sampling: BatchSampling, processed: torch.Tensor) -> torch.Tensor:
+        greedy = all(r.params.temperature <= 0 for r in batch)
+        return sample(processed, *sampling[:5], all_greedy=greedy)
+
     def _sample_and_append(self, batch: list[Request], logits: torch.Tensor, updates: list[RequestUpdate]) -> None:
         """Sample one token per request from ``logits [B, V]`` (after its logit processing) and append it."""
         sampling = self._batch_sampling(batch)
         processed = sampling.process(logits.unsqueeze(1))[:, 0]
-        tokens = sample(processed, *sampling[:5])
-        extras = self._token_extras(batch, sampling, processed.unsqueeze(1), tokens.unsqueeze(1))
-        for b, (req, token) in enumerate(zip(batch, tokens.tolist(), strict=True)):
+        tokens_t = self._sample_tensor(batch, sampling, processed)
+        self._append_sampled(batch, sampling, processed, tokens_t, self._read(tokens_t)[0], updates)
+
+    def _append_sampled(self, batch: list[Request], sampling: BatchSampling, processed: torch.Tensor,
+                        tokens_t: torch.Tensor, tokens: list[int], updates: list[RequestUpdate]) -> None:
+        extras = self._token_extras(batch, sampling, processed.unsqueeze(1), tokens_t.unsqueeze(1))
+        for b, (req, token) in enumerate(zip(batch, tokens, strict=True)):
             self._append_tokens(req, [token], updates, *(extra[b] if extra is not None else None for extra in extras))
 
     @staticmethod
@@ -457,6 +519,8 @@ class LLMEngine:
         out["requests_running"] = float(len(self.running))
         out["engine_dead"] = float(self.dead is not None)
         out.update(self.kv.stats())
+        if self.workspace is not None:
+            out["workspace_bound_bytes"] = float(self.workspace.total_bytes)
         if self.spec is not None:
             out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
             out["spec_staging_bytes_per_request"] = float(getattr(self.kv, "staging_overflow_bytes_per_request", 0))

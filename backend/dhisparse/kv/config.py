@@ -9,9 +9,11 @@ import torch
 
 from dhisparse import defaults
 from dhisparse.errors import ConfigError
+from dhisparse.kv.fp8 import dequantize_rows, fp8_row_bytes, quantize_rows
 from dhisparse.kv.policies import KV_POLICIES, KVPolicy, policy_named
 
-__all__ = ["KV_POLICIES", "AdmissionError", "KVConfig", "KVLayout"]
+__all__ = ["KV_POLICIES", "ROW_FORMATS", "AdmissionError", "KVConfig", "KVLayout"]
+ROW_FORMATS = ("native", "fp8")
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -41,6 +43,10 @@ class KVLayout:
         index_groups: GLM-style sharing: each group is a layer with an indexer followed by the layers that
             reuse its top-k positions (their sources are resolved and prefetched with the first layer's).
         index_topk: the most positions one query selects per layer.
+        row_format: ``native`` (rows stored as ``row_dim`` values of ``dtype``) or ``fp8`` (FlashMLA's FP8 row:
+            ``latent_dim`` e4m3 values, a float32 scale per 128 of them, then the rest as bfloat16; stored as
+            ``uint8`` bytes, dequantized at gather; see :mod:`dhisparse.kv.fp8`).
+        latent_dim: values of the latent part of a row (``kv_lora_rank``; needed by ``fp8``).
     """
 
     num_layers: int
@@ -51,6 +57,8 @@ class KVLayout:
     index_key_dim: int
     index_topk: int
     index_groups: tuple[tuple[int, ...], ...] = ()
+    row_format: str = "native"
+    latent_dim: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_of_layer", _ints(self.source_of_layer, "source_of_layer"))
@@ -68,6 +76,15 @@ class KVLayout:
             raise ConfigError("row_dim, index_key_dim and index_topk must all be >= 1")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
+        if self.row_format not in ROW_FORMATS:
+            raise ConfigError(f"row_format must be one of {ROW_FORMATS}, got {self.row_format!r}")
+        if self.row_format == "fp8":
+            if not 0 < self.latent_dim < self.row_dim:
+                raise ConfigError(f"fp8 rows need 0 < latent_dim < row_dim ({self.row_dim}), got {self.latent_dim}")
+            try:
+                fp8_row_bytes(self.latent_dim, self.row_dim - self.latent_dim)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
         for layer in self.indexer_layers:
             if not 0 <= layer < self.num_layers:
                 raise ConfigError(f"indexer layer {layer} is outside 0 .. {self.num_layers - 1}")
@@ -83,7 +100,7 @@ class KVLayout:
                 seen.add(layer)
 
     @classmethod
-    def from_model_config(cls, model_cfg: Any, dtype: torch.dtype) -> KVLayout:
+    def from_model_config(cls, model_cfg: Any, dtype: torch.dtype, row_format: str = "native") -> KVLayout:
         """Layout of a ``dhisparse.model.config.ModelConfig`` (both families: one source per layer, a latent
         row of ``kv_lora_rank + qk_rope_head_dim``, keys of ``index_head_dim``, GLM groups from
         ``indexer_types``)."""
@@ -97,6 +114,8 @@ class KVLayout:
             index_key_dim=int(model_cfg.index_head_dim),
             index_topk=int(model_cfg.index_topk),
             index_groups=tuple(g for g in model_cfg.index_groups if len(g) > 1),
+            row_format=row_format,
+            latent_dim=int(model_cfg.kv_lora_rank),
         )
 
     @property
@@ -104,8 +123,32 @@ class KVLayout:
         return max(self.source_of_layer) + 1
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """Element type of stored rows (arena, host store): ``dtype``, or ``uint8`` bytes for ``fp8``."""
+        return torch.uint8 if self.row_format == "fp8" else self.dtype
+
+    @property
+    def storage_dim(self) -> int:
+        """Elements of one stored row: ``row_dim``, or its byte count for ``fp8``."""
+        if self.row_format == "fp8":
+            return fp8_row_bytes(self.latent_dim, self.row_dim - self.latent_dim)
+        return self.row_dim
+
+    @property
     def row_bytes(self) -> int:
-        return self.row_dim * self.dtype.itemsize
+        return self.storage_dim * self.storage_dtype.itemsize
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``[..., row_dim]`` → stored rows ``[..., storage_dim]`` of ``storage_dtype``."""
+        if self.row_format == "fp8":
+            return quantize_rows(rows, self.latent_dim)
+        return rows.to(self.dtype)
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``[..., storage_dim]`` → rows ``[..., row_dim]`` of ``dtype``."""
+        if self.row_format == "fp8":
+            return dequantize_rows(stored, self.latent_dim, self.dtype)
+        return stored
 
     @property
     def index_key_bytes(self) -> int:
@@ -157,6 +200,9 @@ class KVConfig:
             then alias each other (the simulation's rows carry no payload).
         model_state_bytes: per-request device bytes a model family keeps beside the hierarchy (deepseek_v4: the
             sliding window, compressor pending state, indexer keys and HCA entries); required memory, never lent.
+        host_bytes: capacity of the host store in bytes (``0``: half of the machine's physical memory). Every
+            admitted request of a host-backed policy owns host pages for its whole capacity; an admission waits
+            while they are not free.
     """
 
     policy: str = defaults.KV_POLICY
@@ -169,6 +215,7 @@ class KVConfig:
     draft_ring_bytes: int = 0
     staging_share: float = 1.0
     model_state_bytes: int = 0
+    host_bytes: int = 0
 
     def __post_init__(self) -> None:
         policy_named(self.policy, "kv policy", KV_POLICIES)
@@ -188,6 +235,8 @@ class KVConfig:
             raise ConfigError(f"draft_ring_bytes must be >= 0, got {self.draft_ring_bytes}")
         if self.model_state_bytes < 0:
             raise ConfigError(f"model_state_bytes must be >= 0, got {self.model_state_bytes}")
+        if self.host_bytes < 0:
+            raise ConfigError(f"host_bytes must be >= 0 (0: from the machine's memory), got {self.host_bytes}")
         if self.max_query_len < 1:
             raise ConfigError(f"max_query_len must be >= 1, got {self.max_query_len}")
 

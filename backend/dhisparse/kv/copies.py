@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dhisparse.kv.host_sync import HostSync
+
 
 @dataclass
 class CopyTicket:
@@ -61,9 +63,10 @@ class CopyEngine:
     ``wait`` / ``wait_all`` that completed it; a failed ticket is not live (its owner may be freed).
     ``fault_hook(kind)``, when set, is called before each copy completes (fault injection)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, sync: HostSync | None = None) -> None:
         self.fault_hook: Callable[[str], None] | None = None
         self.device = device
+        self.sync = sync
         self.is_cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device=device) if self.is_cuda else None
         self._pending: deque[CopyTicket] = deque()
@@ -94,6 +97,10 @@ class CopyEngine:
         ticket = CopyTicket(self._next_id, kind, int(dst_rows.numel()), on_done)
         self._next_id += 1
         dst_rows = dst_rows.to(dst.device)
+        if src.device.type == "cpu" and src_rows.device.type != "cpu":
+            # A copy list produced on the device read by the host: a synchronisation, counted. (The torch path
+            # on CUDA does this for host fetches; a device-side gather from mapped host memory would not.)
+            src_rows = torch.tensor(self.sync.read(src_rows)[0], dtype=torch.int64) if self.sync else src_rows.cpu()
         src_rows = src_rows.to(src.device)
         if not self.is_cuda:
             ticket._run = lambda: dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))

@@ -17,8 +17,9 @@ class DevicePool:
     """Device arena of ``num_pages * page_rows`` rows and the byte accounting of everything on device.
 
     Contract:
-        - ``arena`` is ``[num_pages * page_rows, row_dim]`` of the model dtype; a *location* is a row index
-          into it, page ``p`` is rows ``p*page_rows .. (p+1)*page_rows - 1``.
+        - ``arena`` is ``[num_pages * page_rows + 1, storage_dim]`` of the layout's storage dtype (the model
+          dtype, or ``uint8`` bytes for FP8 rows); a *location* is a row index into it, page ``p`` is rows
+          ``p*page_rows .. (p+1)*page_rows - 1``.
         - ``allocate`` hands out the lowest free page ids (deterministic); ``free`` returns them. Freed pages
           are overwritten with NaN when ``poison_freed`` (tests), so a read of a freed page is visible.
         - ``required_bytes`` (hot caches, tail rings, metadata, indexer keys of admitted requests) and
@@ -26,7 +27,9 @@ class DevicePool:
           :meth:`reserve_required` / :meth:`release_required` / :meth:`allocate` (optional) / :meth:`free`,
           each of which checks ``required + optional + reserve <= pool_bytes`` afterwards.
         - The arena itself is sized ``pool_bytes // page_bytes`` pages, an upper bound: the accounting also
-          counts metadata that lives outside it, so the pages in use never exceed it.
+          counts metadata that lives outside it, so the pages in use never exceed it. One further row,
+          :attr:`scratch_row`, follows the pages: fixed-shape copy lists send the entries that copy nothing
+          there, and no location ever points at it.
     """
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device, poison_freed: bool = False):
@@ -35,8 +38,8 @@ class DevicePool:
         self.pool_bytes = config.pool_bytes
         self.reserve_bytes = config.reserve_bytes
         self.num_pages = config.pool_bytes // self.page_bytes
-        self.arena = torch.zeros(self.num_pages * config.page_rows, layout.row_dim, dtype=layout.dtype,
-                                 device=device)
+        self.scratch_row = self.num_pages * config.page_rows
+        self.arena = torch.zeros(self.scratch_row + 1, layout.storage_dim, dtype=layout.storage_dtype, device=device)
         self.poison_freed = poison_freed
         self._free: list[int] = list(range(self.num_pages))
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
@@ -104,7 +107,8 @@ class DevicePool:
         if optional:
             self.optional_bytes -= ids.numel() * self.page_bytes
         if self.poison_freed:
-            self.arena.view(self.num_pages, self.page_rows, -1)[ids.to(self.arena.device)] = float("nan")
+            pages_view = self.arena[: self.scratch_row].view(self.num_pages, self.page_rows, -1)
+            pages_view[ids.to(self.arena.device)] = float("nan") if self.arena.is_floating_point() else 255
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:
         return self._is_free[pages.to("cpu", torch.int64)]

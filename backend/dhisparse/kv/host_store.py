@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+import os
 
 import torch
 
@@ -13,59 +13,144 @@ HOST_EMPTY = 0  # no copy of the page on host yet
 HOST_PENDING = 1  # a copy into the page is issued, not done
 HOST_VALID = 2  # the page holds its rows (write-once: a valid page never changes until freed)
 
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def default_host_bytes() -> int:
+    """Half of the machine's physical memory: the host store's capacity when none is configured."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 << 30
+
+
+class ChunkedRows:
+    """Rows ``[capacity_rows, row_dim]`` held in fixed chunks of ``chunk_rows`` rows that never move.
+
+    A chunk is allocated (pinned on CUDA) the first time a page inside it is handed out and stays until the
+    store is dropped, so growing the store never copies rows and the tensors a pending copy references stay
+    valid. It offers the two row operations copies use (``index_select`` / ``index_copy_`` along dim 0) over
+    global row indices; a gather touches each allocated chunk once with a fixed-shape ``where`` (no index is
+    read on the host).
+    """
+
+    def __init__(self, capacity_rows: int, chunk_rows: int, row_dim: int, dtype: torch.dtype, pinned: bool) -> None:
+        self.capacity_rows, self.chunk_rows, self.row_dim = capacity_rows, chunk_rows, row_dim
+        self.dtype, self.pinned = dtype, pinned
+        self.device = torch.device("cpu")
+        self.chunks: list[torch.Tensor] = []
+
+    @property
+    def allocated_rows(self) -> int:
+        return sum(c.shape[0] for c in self.chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.chunks)
+
+    def ensure(self, rows: int) -> None:
+        """Allocate chunks until global rows ``0 .. rows-1`` exist (never beyond the capacity)."""
+        while self.allocated_rows < min(rows, self.capacity_rows):
+            n = min(self.chunk_rows, self.capacity_rows - self.allocated_rows)
+            self.chunks.append(torch.zeros(n, self.row_dim, dtype=self.dtype, pin_memory=self.pinned))
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        assert dim == 0
+        index = index.to(self.device, torch.int64)
+        if len(self.chunks) == 1:
+            return self.chunks[0].index_select(0, index)
+        out = torch.zeros(index.numel(), self.row_dim, dtype=self.dtype)
+        chunk_of = index // self.chunk_rows
+        for k, chunk in enumerate(self.chunks):
+            local = (index - k * self.chunk_rows).clamp(0, chunk.shape[0] - 1)
+            out = torch.where((chunk_of == k).unsqueeze(1), chunk.index_select(0, local), out)
+        return out
+
+    def index_copy_(self, dim: int, index: torch.Tensor, values: torch.Tensor) -> ChunkedRows:
+        assert dim == 0
+        index = index.to(self.device, torch.int64)
+        values = values.to(self.dtype)
+        if len(self.chunks) == 1:
+            self.chunks[0].index_copy_(0, index, values)
+            return self
+        chunk_of = index // self.chunk_rows
+        for k, chunk in enumerate(self.chunks):
+            sel = chunk_of == k  # host indices: writes into the host store always have them on the host
+            if bool(sel.any()):
+                chunk.index_copy_(0, index[sel] - k * self.chunk_rows, values[sel])
+        return self
+
+    def fill_rows_(self, index: torch.Tensor, value: float) -> None:
+        self.index_copy_(0, index, torch.full((index.numel(), self.row_dim), value, dtype=self.dtype))
+
+    def zero_(self) -> ChunkedRows:
+        for c in self.chunks:
+            c.zero_()
+        return self
+
 
 class HostStore:
-    """Host rows ``[num_pages * page_rows, row_dim]`` and a page allocator.
+    """Host rows (:class:`ChunkedRows`) of a fixed capacity and a page allocator.
 
     Contract:
         - Host page ``h`` is rows ``h*page_rows .. (h+1)*page_rows - 1`` of :attr:`rows`. Requests own host
           pages for their whole capacity from admission to release; which of them hold data is tracked by
           the request (``HOST_EMPTY / HOST_PENDING / HOST_VALID`` per page and source).
-        - Memory is pinned when the device is CUDA, so host→device row copies can be asynchronous.
-        - The store grows geometrically. Growing replaces :attr:`rows`, so it first completes every pending
-          copy (``drain``), which may reference the old tensor.
+        - The capacity is ``host_bytes // page_bytes`` pages, fixed at construction. Memory is allocated in
+          chunks of ``chunk_bytes`` (pinned when the device is CUDA) as pages are first handed out; a chunk
+          never moves, so nothing is ever copied to grow the store. :meth:`allocate` refuses (returns
+          ``None``) when fewer pages are free than asked for: admission then waits.
         - Freed pages are overwritten with NaN when ``poison_freed`` (tests).
     """
 
     def __init__(self, layout: KVLayout, page_rows: int, device: torch.device, poison_freed: bool = False,
-                 initial_pages: int = 64) -> None:
+                 host_bytes: int = 0, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.page_rows = page_rows
-        self.row_dim = layout.row_dim
-        self.dtype = layout.dtype
+        self.row_dim = layout.storage_dim
+        self.dtype = layout.storage_dtype
         self.pinned = device.type == "cuda"
         self.poison_freed = poison_freed
-        self.num_pages = 0
-        self.rows = self._new_rows(0)
-        self._free: list[int] = []
-        self._grow_to(initial_pages)
-
-    def _new_rows(self, pages: int) -> torch.Tensor:
-        return torch.zeros(pages * self.page_rows, self.row_dim, dtype=self.dtype, pin_memory=self.pinned)
-
-    def _grow_to(self, pages: int) -> None:
-        rows = self._new_rows(pages)
-        rows[: self.rows.shape[0]] = self.rows
-        for p in range(self.num_pages, pages):
-            heapq.heappush(self._free, p)
-        self.rows, self.num_pages = rows, pages
+        page_bytes = page_rows * layout.row_bytes
+        self.host_bytes = host_bytes or default_host_bytes()
+        self.num_pages = self.host_bytes // page_bytes
+        chunk_pages = max(1, min(self.num_pages, chunk_bytes // page_bytes))
+        self.rows = ChunkedRows(self.num_pages * page_rows, chunk_pages * page_rows, self.row_dim, self.dtype,
+                                self.pinned)
+        # Free pages: the freed ids (a heap, all below the frontier) and every id from the frontier up (never used),
+        # so a large store costs nothing until it is used.
+        self._freed: list[int] = []
+        self._frontier = 0
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self._frontier - len(self._freed)
 
-    def allocate(self, count: int, drain: Callable[[], None]) -> torch.Tensor:
-        """Take ``count`` pages (lowest ids first), growing the store if needed; int64 page ids on CPU."""
-        if count > len(self._free):
-            drain()
-            self._grow_to(max(2 * self.num_pages, self.used_pages + count))
-        return torch.tensor([heapq.heappop(self._free) for _ in range(count)], dtype=torch.int64)
+    @property
+    def free_pages(self) -> int:
+        return self.num_pages - self.used_pages
+
+    def _take(self) -> int:
+        if self._freed:
+            return heapq.heappop(self._freed)
+        self._frontier += 1
+        return self._frontier - 1
+
+    def allocate(self, count: int) -> torch.Tensor | None:
+        """Take ``count`` pages (lowest ids first) as int64 page ids on CPU, or ``None`` if fewer are free."""
+        if count > self.free_pages:
+            return None
+        ids = [self._take() for _ in range(count)]
+        if ids:
+            self.rows.ensure((max(ids) + 1) * self.page_rows)
+        return torch.tensor(ids, dtype=torch.int64)
 
     def free(self, pages: torch.Tensor) -> None:
         ids = pages.flatten().tolist()
         for p in ids:
-            heapq.heappush(self._free, p)
+            heapq.heappush(self._freed, p)
         if self.poison_freed and ids:
-            self.rows.view(self.num_pages, self.page_rows, -1)[torch.tensor(ids)] = float("nan")
+            rows = (torch.tensor(ids).unsqueeze(1) * self.page_rows + torch.arange(self.page_rows)).reshape(-1)
+            self.rows.fill_rows_(rows, float("nan") if self.dtype.is_floating_point else 255)
 
     def rows_of(self, pages: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Host row index of each position given the request's host page ids (same leading shape)."""

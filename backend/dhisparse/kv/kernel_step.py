@@ -22,6 +22,7 @@ shared layers' rows are copied ahead on the copy stream while the current layer 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,8 +89,27 @@ def resolve_on_device(step: StepKV, manager: KVManager, source: int, positions: 
                 f"hot cache of {step.hot_pos.shape[2]} slots can take; raise hot_rows (B)")
 
     ticket = manager.copies.issue_gather("fetch", manager.pool.arena, out["copy_location"], manager.host.rows,
-                                         src_rows, kernels.copy_rows, on_done=check_status, watch=status)
+                                         src_rows, _per_chunk(kernels.copy_rows, manager.host.rows),
+                                         on_done=check_status, watch=status)
     return resolution, ticket
+
+
+def _per_chunk(launch: Callable[..., None], host: object) -> Callable[..., None]:
+    """The row-copy launch over the host store's fixed chunks (``ChunkedRows``): one launch per allocated chunk,
+    each with the source rows of the other chunks masked to ``-1`` (chunk-local indices; the number of chunks
+    is known on the host, so nothing is read from the device)."""
+    chunks = getattr(host, "chunks", None)
+    if chunks is None:
+        return launch
+    chunk_rows = host.chunk_rows  # type: ignore[attr-defined]
+
+    def run(_host: object, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows: torch.Tensor,
+            stream: object = None) -> None:
+        for k, chunk in enumerate(chunks):
+            mine = (src_rows >= 0) & (src_rows // chunk_rows == k)
+            launch(chunk, dst, torch.where(mine, src_rows - k * chunk_rows, -1), dst_rows, stream=stream)
+
+    return run
 
 
 def attend(manager: KVManager, locations: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,

@@ -17,6 +17,13 @@ outstanding copies (the deferred backups) and admits at once; during an open ste
 memory frees after the step. If every reclaimable page together cannot cover it, nothing is reclaimed and
 the admission waits (``try_admit`` returns False; the caller retries later).
 While any admission waits, refill is paused.
+
+Host tier: the host store has a fixed capacity (``KVConfig.host_bytes``); a host-backed admission also needs
+host pages for the request's whole capacity and waits (``try_admit`` returns False) while they are not free.
+
+Host reads: a step reads the device once (``end_step``), or not at all when the engine passes the values of
+``StepKV.report()`` it read together with its sampled tokens; every read goes through :attr:`sync`
+(``kv_host_syncs`` in ``stats()``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dhisparse.kv.copies import CopyEngine, CopyError, CopyTicket, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
 from dhisparse.kv.host_store import HostStore
+from dhisparse.kv.host_sync import HostSync
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.request_state import RequestKV
 from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
@@ -47,7 +55,8 @@ class KVManager:
     """Load-adaptive KV hierarchy for one model (see the module docstring for the protocol)."""
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device | str = "cpu",
-                 poison_freed: bool = False, kernels: KernelSelection | None = None) -> None:
+                 poison_freed: bool = False, debug_checks: bool = False, host_chunk_bytes: int | None = None,
+                 kernels: KernelSelection | None = None) -> None:
         config.validate_for(layout)
         # Which implementation resolves, fetches and attends (dhisparse.kernels.selection); torch by default.
         if kernels is None:
@@ -60,8 +69,11 @@ class KVManager:
         self.device = torch.device(device)
         self.indexer_layers = frozenset(layout.indexer_layers)
         self.pool = DevicePool(layout, config, self.device, poison_freed)
-        self.host = HostStore(layout, config.page_rows, self.device, poison_freed)
-        self.copies = CopyEngine(self.device)
+        chunk = {} if host_chunk_bytes is None else {"chunk_bytes": host_chunk_bytes}
+        self.host = HostStore(layout, config.page_rows, self.device, poison_freed, config.host_bytes, **chunk)
+        self.debug_checks = debug_checks  # read and raise the step's checks at once (one read per check)
+        self.sync = HostSync()
+        self.copies = CopyEngine(self.device, self.sync)
         self.fence = ReaderFence(self.device)
         self.requests: dict[str, RequestKV] = {}
         self.releasing: list[tuple[RequestKV, int]] = []  # (request, epoch at release)
@@ -86,9 +98,20 @@ class KVManager:
         """Arena bytes of one request's verification staging for overflow rows (fixed by the config)."""
         return self.footprint(1, 1).staging_overflow_bytes
 
+    def host_pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Host pages a request owns while admitted (0 for ``resident``)."""
+        if not self.config.uses_host:
+            return 0
+        fp = request_footprint(self.layout, self.config, prompt_len, max_new_tokens)
+        return self.layout.num_sources * fp.num_pages
+
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
         """Why a request of this size could never be admitted even on an empty pool (``None``: it can be)."""
         need = self.required_bytes(prompt_len, max_new_tokens)
+        host_pages = self.host_pages_needed(prompt_len, max_new_tokens)
+        if host_pages > self.host.num_pages:
+            return (f"the request needs {host_pages} host pages but host_bytes {self.host.host_bytes} holds "
+                    f"{self.host.num_pages}; raise host_bytes or lower max_new_tokens")
         if need + self.config.reserve_bytes <= self.config.pool_bytes:
             return None
         return (
@@ -118,12 +141,25 @@ class KVManager:
                 self.fence.wait(self.fence.issued)
             self._free_safe()
             deficit = fp.required_bytes - self.pool.spare_bytes
+        if deficit <= 0 and not self._host_pages_free(self.host_pages_needed(prompt_len, max_new_tokens)):
+            deficit = 1  # host pages are short: wait for a release
         if deficit > 0:
             self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
             self.check_budget()
             return False
         self._admit(request_id, prompt_len, max_new_tokens, fp)
         return True
+
+    def _host_pages_free(self, count: int) -> bool:
+        """Whether ``count`` host pages are free; between steps, finish the releases whose copies and readers
+        are the only thing keeping their pages (as a GPU would wait on its streams)."""
+        if count <= self.host.free_pages:
+            return True
+        if self.releasing and self.step is None:
+            self.copies.wait_all()
+            self.fence.wait(self.fence.issued)
+            self._free_safe()
+        return count <= self.host.free_pages
 
     def _reclaim_for(self, deficit: int) -> bool:
         """Reclaim whole requests' optional pages in reclaim order until the memory on its way out covers
@@ -160,7 +196,9 @@ class KVManager:
         staging_loc = fp.staging_locations(cfg.page_rows, staging_pages.to(dev))
         host_pages = None
         if self.policy.uses_host:
-            host_pages = self.host.allocate(sources * fp.num_pages, self.copies.wait_all).view(sources, -1)
+            taken = self.host.allocate(sources * fp.num_pages)
+            assert taken is not None, "try_admit checked the free host pages"
+            host_pages = taken.view(sources, -1)
         prompt_pages = self.policy.optional_prompt_pages(prompt_len, cfg.page_rows)
         req = RequestKV(
             request_id=request_id, prompt_len=prompt_len, max_new_tokens=max_new_tokens, footprint=fp,
@@ -210,7 +248,7 @@ class KVManager:
                 raise ValueError(f"import_prompt: index_keys[{layer}] must be [{req.prompt_len}, "
                                  f"{self.layout.index_key_dim}], got {list(keys.shape)}")
             req.index_keys[layer][: req.prompt_len] = keys.to(self.device, self.layout.dtype)
-        rows = rows.to(dtype=self.layout.dtype)
+        rows = self.layout.encode(rows)
         residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
         req.imported = True
         self.check_budget()
@@ -259,12 +297,16 @@ class KVManager:
                 unmap_rejected(req, req.length + query_len, self.config.page_rows)
             raise
         self.fence.begin()
+        self.sync.mark_step()
         self._steps += 1
         self.step = StepKV(self, reqs, query_len, stamp=self._steps)
         return self.step
 
-    def end_step(self, accepted: dict[str, int]) -> None:
-        """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest."""
+    def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
+        """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest.
+
+        ``report``: the values of ``step.report()`` if the caller already read them (fused into its own read);
+        else they are read here (one counted host read). A check the step failed raises here."""
         step = self.step
         if step is None:
             raise RuntimeError("no step is open")
@@ -272,6 +314,9 @@ class KVManager:
         if set(accepted) != {r.request_id for r in step.requests}:
             raise ValueError("end_step needs an accepted count for exactly the step's requests")
         step.wait_fetches()  # prefetches of layers the model skipped must not outlive the step
+        if report is None:
+            report = self.sync.read(step.report())[0]
+        counts = step.check_report(report)
         for b, req in enumerate(step.requests):
             keep = int(accepted[req.request_id])
             if not 0 <= keep <= q:
@@ -283,8 +328,7 @@ class KVManager:
             unmap_rejected(req, start + q, self.config.page_rows)
             req.hot_pos.copy_(step.hot_pos[b])
             req.hot_stamp.copy_(step.hot_stamp[b])
-            direct, hot, host = (float(v) for v in step.counts[b].tolist())
-            staged = float(step.staged[b])
+            direct, hot, host, staged = (float(v) for v in counts[b])
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
                                 ("rows_staged", staged),
                                 ("resolved_rows", direct + hot + host), ("host_fetched_rows", host),
@@ -306,7 +350,8 @@ class KVManager:
         request accepted 0 rows), no statistic is counted, nothing is backed up. The hot caches keep their
         state from before the step except the slots this step refilled (their rows changed): those are
         emptied. The step's fetches are completed first (a failed one is dropped), so no copy into a slot
-        outlives the step. Requests stay admitted; the caller releases the ones that failed."""
+        outlives the step. The step's device-side checks (deferred flags) are cleared unread: a fault's own
+        error is what the caller reports. Requests stay admitted; the caller releases the ones that failed."""
         step = self.step
         if step is None:
             return
@@ -322,6 +367,7 @@ class KVManager:
             changed = step.hot_pos[b] != req.hot_pos
             req.hot_pos.masked_fill_(changed, -1)
             req.hot_stamp.masked_fill_(changed, 0)
+        step.reset_checks()  # the rolled-back step's device flags and counts are never reported
         step.closed = True
         self.step = None
         self.fence.end()
@@ -422,6 +468,9 @@ class KVManager:
         out["copies_pending"] = float(self.copies.num_pending)
         out["copies_failed"] = float(self.copies.copies_failed)
         out["host_pages_used"] = float(self.host.used_pages)
+        out["host_pages"] = float(self.host.num_pages)
+        out["host_bytes_allocated"] = float(self.host.rows.nbytes)
+        out["host_syncs"] = float(self.sync.reads)
         out.update(self.kernels.stats())
         return {f"kv_{name}": value for name, value in out.items()}
 

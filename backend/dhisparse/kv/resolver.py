@@ -80,6 +80,12 @@ class Resolution:
         copy_location: ``[C]`` int64 device arena row it is copied into (``hot_loc`` of that slot).
         counts: ``[R, 3]`` int64 distinct positions resolved at steps 1, 2 and 3 per request (3 includes staged).
         staged: ``[R]`` int64 distinct positions copied into verification staging (a subset of step 3).
+        fetch_mask: ``[R, N]`` bool, the copy list in fixed shape (entries in each request's ascending position
+            order; ``True`` exactly for the copy-list entries, staged ones included), so a caller can copy
+            without reading the list's length on the host. ``fetch_position`` / ``fetch_location``: ``[R, N]``
+            int64 position and arena row (hot slot or staging row) of each entry (meaningful where ``fetch_mask``).
+        overflow: ``[R]`` bool, requests whose misses exceed their evictable slots plus staging rows (only when
+            the caller asked :func:`resolve` not to raise; their locations are then not valid).
     """
 
     locations: torch.Tensor
@@ -92,6 +98,10 @@ class Resolution:
     copy_location: torch.Tensor
     counts: torch.Tensor
     staged: torch.Tensor
+    fetch_mask: torch.Tensor | None = None
+    fetch_position: torch.Tensor | None = None
+    fetch_location: torch.Tensor | None = None
+    overflow: torch.Tensor | None = None
 
 
 def resolve(
@@ -103,8 +113,14 @@ def resolve(
     stamp: int,
     page_rows: int,
     staging_loc: torch.Tensor | None = None,
+    *,
+    on_device: bool = False,
 ) -> Resolution:
-    """Resolve the selected positions of ``R`` requests of one KV source (see the module docstring)."""
+    """Resolve the selected positions of ``R`` requests of one KV source (see the module docstring).
+
+    ``on_device=True`` is the step's path: no value is read on the host (no overflow check, which the caller
+    reads later from ``overflow``; no compacted copy list, whose ``copy_*`` fields are then empty — use the
+    ``fetch_*`` fields)."""
     if positions.dim() != 2 or page_table.dim() != 2 or hot_pos.dim() != 2:
         raise ValueError("positions, page_table and hot_pos must be 2-D [R, ...] tensors")
     num_requests = positions.shape[0]
@@ -154,7 +170,7 @@ def resolve(
     num_candidates = (~hit_mask).sum(dim=1)
     num_staging = 0 if staging_loc is None else staging_loc.shape[1]
     overflow = num_miss > num_candidates + num_staging
-    if bool(overflow.any()):
+    if not on_device and bool(overflow.any()):
         r = int(torch.nonzero(overflow)[0, 0])
         raise HotCacheOverflowError(
             f"request row {r} misses {int(num_miss[r])} rows but its hot cache has only "
@@ -199,7 +215,10 @@ def resolve(
     new_pos = torch.cat([hot_pos, hot_pos.new_zeros(num_requests, 1)], dim=1)
     new_pos = new_pos.scatter(1, placed, sorted_pos)[:, :num_slots]
 
-    copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
+    if on_device:
+        copy_rows = copy_cols = torch.zeros(0, dtype=torch.int64, device=device)
+    else:
+        copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
     copy_staged = staged[copy_rows, copy_cols]
     copy_slot = torch.where(copy_staged, -1, victim[copy_rows, copy_cols])
     copy_location = slot_loc[copy_rows, copy_cols]
@@ -215,4 +234,8 @@ def resolve(
         copy_location=copy_location,
         counts=counts,
         staged=(staged & first).sum(1),
+        fetch_mask=miss_first,
+        fetch_position=safe_pos,
+        fetch_location=slot_loc,
+        overflow=overflow,
     )

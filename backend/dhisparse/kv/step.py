@@ -7,13 +7,24 @@ once per source and positions tensor; when the layer leads a GLM-style index gro
 of the group are resolved at the same time and their host copies issued ahead (prefetch), and a source
 shared by several layers reuses the first layer's location vector.
 
+Host reads: no per-layer call reads a device value on the host. Checks (a selected position past the length, a
+hot-cache overflow, an unmapped tail row) and the resolver's statistics accumulate on the device and are read
+once per step (:meth:`report`, read by ``end_step`` or fused into the engine's own read); with
+``KVManager(debug_checks=True)`` the checks are read and raised at once instead. Host copies of missing rows
+use the resolver's fixed-shape copy list (``fetch_*``): rows that are not misses are copied into the arena's
+scratch row, so the list's length is never needed on the host.
+
 Verification staging: rows of a step's union of selections that the hot cache cannot take are copied from
 host straight into the request's staging slot of the source's position in its index group (one slot per
 group position, :attr:`KVLayout.staging_slots`); the location vector points there, so attention reads every
-row through one vector from the arena, a hot slot or staging. The next group's resolution reuses the slots;
+row through one vector from the arena, a hot slot or staging. Staged rows are entries of the same fixed-shape
+copy list (no extra host read). The next group's resolution reuses the slots;
 copies are issued after the work already queued (on CUDA the copy stream waits for the current stream, i.e.
 for the previous group's attention), and a resolved entry whose staged rows were overwritten is dropped, so a
 later layer sharing that source resolves again instead of reading another source's rows.
+
+CUDA kernels (``dhisparse.kv.kernel_step``): a step without verification staging whose history is not all
+direct resolves and fetches with the resolver and row-copy kernels; :meth:`attend` runs sparse MLA on them.
 """
 
 from __future__ import annotations
@@ -25,8 +36,8 @@ import torch
 
 from dhisparse.kv import kernel_step
 from dhisparse.kv.copies import CopyTicket
-from dhisparse.kv.request_state import RequestKV
-from dhisparse.kv.resolver import Resolution, resolve
+from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
+from dhisparse.kv.resolver import HotCacheOverflowError, resolve
 
 if TYPE_CHECKING:
     from dhisparse.kv.manager import KVManager
@@ -35,10 +46,30 @@ if TYPE_CHECKING:
 @dataclass
 class _Resolved:
     positions: torch.Tensor  # [B, X, K] as passed by the model
-    resolution: Resolution
-    ticket: CopyTicket | None  # host→device copies of the misses (None if nothing missed)
+    locations: torch.Tensor  # [B, X*K] arena row of every entry (-1 where unused)
+    ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
     staging_slot: int
     staged: bool  # rows may live in the staging slot
+
+# Error flags accumulated on the device during a step (read once, see ``report``).
+FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
+_FLAG_MESSAGES = (
+    "gather: a selected position is at or past the request's length",
+    "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots "
+    "plus verification staging rows; raise hot_rows (B) to at least the number of distinct rows one step can "
+    "select",
+    "tail page of a new row is not mapped (begin_step broke its contract)",
+)
+
+
+def _history_direct(req: RequestKV) -> bool:
+    """Whether every page before the tail is a mapped optional page (host-side state only)."""
+    if req.tail_first == 0:
+        return True
+    if req.prompt_pages < req.tail_first:
+        return False
+    state = req.opt_state[:, : req.tail_first]
+    return bool(((state == OPT_READY) | (state == OPT_BACKING_UP)).all())
 
 
 class StepKV:
@@ -58,6 +89,7 @@ class StepKV:
         pool = manager.pool
         self.starts = torch.tensor([r.length for r in requests], dtype=torch.int64, device=device)
         self.lengths = self.starts + query_len
+        self.max_length = max(r.length for r in requests) + query_len  # known on the host, no read
         max_pages = max(r.page_table.shape[1] for r in requests)
         sources = manager.layout.num_sources
         table = torch.full((len(requests), sources, max_pages), -1, dtype=torch.int64, device=device)
@@ -72,7 +104,7 @@ class StepKV:
             for b, r in enumerate(requests):
                 assert r.host_pages is not None
                 host[b, :, : r.host_pages.shape[1]] = r.host_pages
-            self.host_pages: torch.Tensor | None = host
+            self.host_pages: torch.Tensor | None = host.to(device)
         else:
             self.host_pages = None
         # Arena rows of the new tokens: [B, S, Q].
@@ -82,6 +114,11 @@ class StepKV:
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
         self.staged = torch.zeros(len(requests), dtype=torch.int64, device=device)  # rows copied into staging
         self.staging_loc = torch.stack([r.staging_loc for r in requests]).to(device)  # [B, G, T]
+        self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
+        self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
+        # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
+        # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
+        self.all_direct = all(_history_direct(r) for r in requests)
         self._resolved: dict[int, _Resolved] = {}
         self._tickets: list[CopyTicket] = []
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
@@ -99,30 +136,30 @@ class StepKV:
                              f"got {list(rows.shape)}")
         source = m.layout.source_of_layer[layer]
         dst = self.new_rows[:, source, :].reshape(-1)
-        if bool((dst < 0).any()):
-            raise RuntimeError("tail page of a new row is not mapped (begin_step broke its contract)")
-        m.pool.arena.index_copy_(0, dst, rows.reshape(-1, rows.shape[-1]).to(m.pool.arena.dtype))
+        m.pool.arena.index_copy_(0, dst.clamp(min=0), m.layout.encode(rows.reshape(-1, rows.shape[-1])))
         if layer in m.indexer_layers:
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
                                  "are required for a layer with an indexer")
-            for b, r in enumerate(self.requests):
-                r.index_keys[layer][r.length : r.length + q] = index_keys[b].to(m.layout.dtype)
+            # One batched copy into every request's key tensor (views of the new positions).
+            torch._foreach_copy_([r.index_keys[layer][r.length : r.length + q] for r in self.requests],
+                                 list(index_keys.to(m.layout.dtype).unbind(0)))
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
-    def index_keys(self, layer: int) -> torch.Tensor:
-        """``[B, Tmax, index_key_dim]`` keys of all positions incl. the new ones; zero past ``lengths[b]``."""
+    def index_keys(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """``[B, stop - start, index_key_dim]`` keys of positions ``start .. stop-1`` (``stop`` defaults to
+        ``max_length``: every position incl. the new ones); zero past ``lengths[b]``."""
         self._check_open()
         m = self._m
         if layer not in m.indexer_layers:
             raise ValueError(f"layer {layer} has no indexer")
-        t_max = int(self.lengths.max())
-        out = torch.zeros(len(self.requests), t_max, m.layout.index_key_dim, dtype=m.layout.dtype,
-                          device=m.device)
-        for b, r in enumerate(self.requests):
-            n = r.length + self.query_len
-            out[b, :n] = r.index_keys[layer][:n]
+        stop = self.max_length if stop is None else stop
+        # Each request's keys up to its length (views), padded with zeros in one call.
+        parts = [r.index_keys[layer][start:max(start, min(r.length + self.query_len, stop))] for r in self.requests]
+        out = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
+        if out.shape[1] < stop - start:
+            out = torch.nn.functional.pad(out, (0, 0, 0, stop - start - out.shape[1]))
         return out
 
     # ------------------------------------------------------------------------------------------ gather
@@ -130,7 +167,7 @@ class StepKV:
         """Rows ``[B, X, K, row_dim]`` of the selected ``positions`` ``[B, X, K]`` int64 (``-1`` = unused
         slot, zeros returned there). Every selected position must be below ``lengths[b]``."""
         loc = self.locations(layer, positions)
-        rows = self._m.pool.arena[loc.clamp(min=0)]
+        rows = self._m.layout.decode(self._m.pool.arena[loc.clamp(min=0)])
         return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
 
     def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
@@ -150,9 +187,7 @@ class StepKV:
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
             raise ValueError(f"gather(layer {layer}): positions must be [{len(self.requests)}, X, K]")
         positions = positions.to(m.device, torch.int64)
-        bad = positions >= self.lengths.view(-1, 1, 1)
-        if bool(bad.any()):
-            raise ValueError(f"gather(layer {layer}): a selected position is at or past the request's length")
+        self._flag(FLAG_BAD_POSITION, (positions >= self.lengths.view(-1, 1, 1)).any(), ValueError)
         source = m.layout.source_of_layer[layer]
         entry = self._lookup(source, positions)
         if entry is None:
@@ -164,37 +199,42 @@ class StepKV:
             entry = self._lookup(source, positions)
             assert entry is not None
         m.copies.wait_for_read(entry.ticket)
-        return entry.resolution.locations.view_as(positions)
+        return entry.locations.view_as(positions)
 
     def _lookup(self, source: int, positions: torch.Tensor) -> _Resolved | None:
         entry = self._resolved.get(source)
         if entry is None:
             return None
-        same = entry.positions is positions or (
-            entry.positions.shape == positions.shape and torch.equal(entry.positions, positions)
-        )
+        same = entry.positions is positions  # the model passes the group's selection tensor itself
+        if not same and entry.positions.shape == positions.shape:  # an equal copy: compare (one counted read)
+            same = bool(self._m.sync.read((entry.positions != positions).any())[0][0] == 0)
         return entry if same else None
 
     def _resolve(self, source: int, positions: torch.Tensor, slot: int) -> None:
         m = self._m
+        flat = positions.reshape(len(self.requests), -1)
+        if self.all_direct:
+            self._resolve_direct(source, positions, flat, slot)
+            return
         staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
         # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
-        # so a step with verification staging resolves with the torch resolver.
+        # so a step with verification staging resolves with the torch resolver (on the device as well).
         if m.kernels.on_device and staging is None:
-            res, ticket = kernel_step.resolve_on_device(self, m, source, positions)
+            kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
             self.resolver_calls += 1
-            if ticket is not None:
-                self._tickets.append(ticket)
-            self._resolved[source] = _Resolved(positions, res, ticket, slot, False)
+            if kticket is not None:
+                self._tickets.append(kticket)
+            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False)
             return
-        flat = positions.reshape(len(self.requests), -1)
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
-                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging)
+                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
         self.resolver_calls += 1
         self.hot_pos[:, source] = res.hot_pos
         self.hot_stamp[:, source] = res.hot_stamp
         self.counts += res.counts
         self.staged += res.staged
+        assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
+        self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
         # With staging, the slot's previous rows may be overwritten: their entry must not be reused (decided from
         # the configuration, not from this resolution's counts, so that it costs no host sync).
         staged = staging is not None
@@ -203,14 +243,67 @@ class StepKV:
             for s in stale:
                 del self._resolved[s]
         ticket = None
-        if res.copy_request.numel() > 0:
-            if self.host_pages is None:
-                raise RuntimeError("resolver asked for host rows under the resident policy")
-            req_idx, pos = res.copy_request.cpu(), res.copy_position.cpu()
-            host_rows = m.host.rows_of(self.host_pages[req_idx, source, pos // m.pool.page_rows], pos)
-            ticket = m.copies.issue("fetch", m.pool.arena, res.copy_location, m.host.rows, host_rows)
+        if self.host_pages is not None:
+            # Fixed-shape copy list: misses copy their host row into their hot slot or staging row, every other
+            # entry copies host row 0 into the scratch row (resident never misses: its history is all direct).
+            mask, pos = res.fetch_mask, res.fetch_position
+            page = self.host_pages[:, source].gather(1, (pos // m.pool.page_rows).clamp(
+                max=self.host_pages.shape[2] - 1))
+            src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
+            assert res.fetch_location is not None
+            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
+            ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
             self._tickets.append(ticket)
-        self._resolved[source] = _Resolved(positions, res, ticket, slot, staged)
+        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged)
+
+    def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
+        """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
+        host at ``begin_step``): the same locations and counts as :func:`resolve`, which would find every
+        position direct and leave the hot cache untouched."""
+        page_rows = self._m.pool.page_rows
+        table = self.page_table[:, source]
+        valid = flat >= 0
+        safe = flat.clamp(min=0)
+        page = table.gather(1, (safe // page_rows).clamp(max=table.shape[1] - 1))
+        self._flag(FLAG_UNMAPPED, (valid & (page < 0)).any(), RuntimeError)
+        locations = torch.where(valid, page * page_rows + safe % page_rows, -1)
+        ordered = torch.sort(torch.where(valid, flat, -1), dim=1).values  # unused entries first
+        previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
+        self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
+        self.resolver_calls += 1
+        self._resolved[source] = _Resolved(positions, locations, None, slot, False)
+
+    def _flag(self, flag: int, broken: torch.Tensor, error: type[Exception]) -> None:
+        """Record a check on the device; in debug mode read and raise it now (one counted read per check)."""
+        if self._m.debug_checks:
+            if self._m.sync.read(broken)[0][0]:
+                raise error(_FLAG_MESSAGES[flag])
+            return
+        self.flags[flag] |= broken
+
+    def report(self) -> torch.Tensor:
+        """What ``end_step`` reads from the device, as one int64 vector: the per-request resolution counts
+        ``[B, 3]`` (flattened), the per-request staged row counts ``[B]``, then the error flags. The engine may
+        read it together with its sampled tokens (one transfer) and pass the values to ``end_step(report=...)``."""
+        return torch.cat([self.counts.reshape(-1), self.staged, self.flags.to(torch.int64)])
+
+    def check_report(self, values: list[int]) -> list[list[int]]:
+        """Raise the first error flag set in ``values`` (from :meth:`report`); return per request
+        ``[direct, hot, host, staged]``."""
+        batch = len(self.requests)
+        flags = values[4 * batch:]
+        errors = (ValueError, HotCacheOverflowError, RuntimeError)
+        for flag, is_set in enumerate(flags):
+            if is_set:
+                raise errors[flag](_FLAG_MESSAGES[flag])
+        return [values[3 * b: 3 * b + 3] + [values[3 * batch + b]] for b in range(batch)]
+
+    def reset_checks(self) -> None:
+        """Clear the step's device-side flags and counts (``abort_step``: nothing of a rolled-back step is
+        reported)."""
+        self.flags.zero_()
+        self.counts.zero_()
+        self.staged.zero_()
 
     def wait_fetches(self) -> None:
         """Complete every host→device copy this step issued (called by ``end_step``)."""

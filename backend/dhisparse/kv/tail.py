@@ -43,7 +43,7 @@ def map_tail_pages(req: RequestKV, last_position: int, page_rows: int, copies: C
     ring = req.tail_pages
     first_page = req.length // page_rows
     for i in range(first_page, last_position // page_rows + 1):
-        if int(req.page_table[0, i]) >= 0:
+        if i * page_rows < req.length:  # holds accepted rows: already mapped as a tail page (no device read)
             continue
         while req.tail_first <= i - ring:  # the slot's previous page has not left the tail yet
             before = req.tail_first

@@ -17,6 +17,7 @@ from dhisparse.model.layers import rms_norm
 from dhisparse.model.rope import apply_rope_half_split, apply_rope_interleaved, attention_softmax_scale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
+INDEX_TILE_TOKENS = 2048  # key positions scored at once: the indexer's workspace does not grow with the context
 
 
 class IndexedMLA:
@@ -82,7 +83,7 @@ class IndexedMLA:
             index_q, index_k = self._indexer_qk(x, q_resid, cos, sin)
         kv.write(self.layer, rows, index_k)
         if self.has_indexer:
-            selection = self._select(x, index_q, kv.index_keys(self.layer), positions, kv.lengths)
+            selection = self._select(x, index_q, kv, positions)
         else:
             if shared_selection is None:
                 raise ValueError(f"layer {self.layer} shares top-k but no earlier layer produced a selection")
@@ -114,19 +115,34 @@ class IndexedMLA:
         k = torch.cat([self.idx_rope(k[..., :rope], cos, sin), k[..., rope:]], dim=-1)
         return q, k
 
-    def _select(
-        self, x: torch.Tensor, index_q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-        lengths: torch.Tensor,
-    ) -> torch.Tensor:
-        """Lightning-indexer top-k: ``Σ_h w_h · relu(scale · q_h·k)`` in float32, causal, ``K = min(topk, T)``."""
+    def _select(self, x: torch.Tensor, index_q: torch.Tensor, kv: StepKV, positions: torch.Tensor) -> torch.Tensor:
+        """Lightning-indexer top-k: ``Σ_h w_h · relu(scale · q_h·k)`` in float32, causal, ``K = min(topk, T)``.
+
+        Keys are scored ``INDEX_TILE_TOKENS`` positions at a time and the running top-k is merged tile by tile,
+        so the workspace is ``[B, Q, heads, tile]`` float32 at any context length. With one tile (short
+        contexts) this is the plain top-k over all positions; across tiles it selects the same positions in the
+        same order whenever the scores are distinct."""
         cfg = self.cfg
-        scores = torch.matmul(index_q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * self.idx_scale
-        scores = F.relu(scores)  # [B, Q, heads, T]
+        total = kv.max_length
         head_w = F.linear(x.to(self.idx_weights.dtype), self.idx_weights).float() * (cfg.index_n_heads**-0.5)
-        index_scores = torch.matmul(head_w.unsqueeze(-2), scores).squeeze(-2)  # [B, Q, T]
-        t = torch.arange(keys.shape[1], device=keys.device)
-        visible = (t.view(1, 1, -1) <= positions.unsqueeze(-1)) & (t.view(1, 1, -1) < lengths.view(-1, 1, 1))
-        index_scores = index_scores.masked_fill(~visible, float("-inf"))
-        k = min(cfg.index_topk, keys.shape[1])
-        values, idx = index_scores.topk(k, dim=-1)
-        return torch.where(torch.isneginf(values), torch.full_like(idx, -1), idx)
+        k = min(cfg.index_topk, total)
+        lengths = kv.lengths.view(-1, 1, 1)
+        best_values = best_idx = None
+        for start in range(0, total, INDEX_TILE_TOKENS):
+            stop = min(total, start + INDEX_TILE_TOKENS)
+            keys = kv.index_keys(self.layer, start, stop)  # [B, tile, d]
+            scores = torch.matmul(index_q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * self.idx_scale
+            scores = F.relu(scores)  # [B, Q, heads, tile]
+            index_scores = torch.matmul(head_w.unsqueeze(-2), scores).squeeze(-2)  # [B, Q, tile]
+            t = torch.arange(start, stop, device=keys.device).view(1, 1, -1)
+            visible = (t <= positions.unsqueeze(-1)) & (t < lengths)
+            index_scores = index_scores.masked_fill(~visible, float("-inf"))
+            idx = t.expand_as(index_scores)
+            if best_values is not None:
+                assert best_idx is not None
+                index_scores = torch.cat([best_values, index_scores], dim=-1)
+                idx = torch.cat([best_idx, idx], dim=-1)
+            best_values, pick = index_scores.topk(min(k, index_scores.shape[-1]), dim=-1)
+            best_idx = idx.gather(-1, pick) if start else pick
+        assert best_values is not None and best_idx is not None
+        return torch.where(torch.isneginf(best_values), torch.full_like(best_idx, -1), best_idx)

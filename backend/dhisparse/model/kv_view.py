@@ -15,12 +15,15 @@ import torch
 class StepKV(Protocol):
     lengths: torch.Tensor
     """``[B]`` int64: history length of each request including the ``Q`` new tokens."""
+    max_length: int
+    """``max(lengths)``, known on the host (no device read)."""
 
     def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Store the new tokens' latent rows ``[B, Q, row_dim]`` and, for indexer layers, keys ``[B, Q, d]``."""
 
-    def index_keys(self, layer: int) -> torch.Tensor:
-        """All indexer keys of ``layer``: ``[B, Tmax, d]``; entries at or past ``lengths[b]`` are zero."""
+    def index_keys(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Indexer keys of ``layer`` at positions ``start .. stop-1`` (``stop`` defaults to ``max_length``):
+        ``[B, stop - start, d]``; entries at or past ``lengths[b]`` are zero."""
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows at ``positions [B, Q, K]`` (int64, −1 = unused) of ``layer``'s source: ``[B, Q, K, row_dim]``,
@@ -42,10 +45,12 @@ class LocalKV:
         self.length = 0  # committed rows
         self.query_len = 0
         self.lengths = torch.zeros(1, dtype=torch.int64, device=device)
+        self.max_length = 0
 
     def begin(self, query_len: int) -> LocalKV:
         """Start a forward over the next ``query_len`` tokens (B = 1)."""
         self.query_len = query_len
+        self.max_length = self.length + query_len
         self.lengths = torch.tensor([self.length + query_len], dtype=torch.int64, device=self.rows.device)
         return self
 
@@ -59,8 +64,9 @@ class LocalKV:
         if index_keys is not None:
             self.keys[layer][self.length:end] = index_keys[0]
 
-    def index_keys(self, layer: int) -> torch.Tensor:
-        return self.keys[layer][: self.length + self.query_len].unsqueeze(0)
+    def index_keys(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        stop = self.max_length if stop is None else stop
+        return self.keys[layer][start:stop].unsqueeze(0)
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         out = self.rows[layer][positions.clamp(min=0)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from dhisparse.kv.fp8 import fp8_row_bytes
+
 
 def _positive(obj: object, *names: str) -> None:
     for name in names:
@@ -193,7 +195,7 @@ GLM5 = ModelSpec(
     num_layers=78,
     index_group_size=1,
     index_topk=2048,
-    row_bytes=656,
+    row_bytes=fp8_row_bytes(512, 64),  # FlashMLA's FP8 MLA row: 656 bytes (dhisparse.kv.fp8)
     index_key_bytes=132,
     attn_heads=64 // 8,
     index_heads=32,
@@ -226,7 +228,7 @@ DSV32 = ModelSpec(
     num_layers=61,
     index_group_size=1,
     index_topk=2048,
-    row_bytes=656,
+    row_bytes=fp8_row_bytes(512, 64),  # FlashMLA's FP8 MLA row: 656 bytes (dhisparse.kv.fp8)
     index_key_bytes=132,
     attn_heads=128 // 8,
     index_heads=64,

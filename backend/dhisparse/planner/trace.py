@@ -89,10 +89,10 @@ class RecordingKV:
             self.selections[rid].append({})
         return _RecordingStep(self.inner.begin_step(request_ids, query_len), self)
 
-    def end_step(self, accepted: dict[str, int]) -> None:
+    def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
         if self._open is not None:
             self._open.accepted = [int(accepted[r]) for r in self.batch_ids]
-        self.inner.end_step(accepted)
+        self.inner.end_step(accepted, report=report)
 
     def release(self, request_id: str) -> None:
         if self._open is not None:

@@ -62,11 +62,12 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-    seeds: torch.Tensor, counters: torch.Tensor,
+    seeds: torch.Tensor, counters: torch.Tensor, all_greedy: bool | None = None,
 ) -> torch.Tensor:
-    """Next tokens ``[B]`` for ``logits [B, V]``; greedy rows take the argmax exactly."""
+    """Next tokens ``[B]`` for ``logits [B, V]``; greedy rows take the argmax exactly. ``all_greedy``: whether
+    every temperature is 0, if the caller knows it on the host (saves a device read)."""
     greedy_tokens = logits.argmax(dim=-1)
-    if bool((temperature <= 0).all()):
+    if all_greedy if all_greedy is not None else bool((temperature <= 0).all()):
         return greedy_tokens
     probs = filtered_probs(logits, temperature, top_k, top_p)
     drawn = sample_from(probs, uniform(seeds, counters))

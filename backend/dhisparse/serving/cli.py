@@ -24,7 +24,8 @@ LLM_MODEL = "dhisparse"  # the model that runs the engine; its readiness is the 
 # Runtime options with their own flags (everything else: --engine-option KEY=VALUE).
 _ENGINE_FLAGS = (
     ("kv_policy", str, "KV policy: resident, hisparse, adaptive or dense"),
-    ("pool_bytes", int, "device KV pool budget in bytes"),
+    ("pool_bytes", lambda v: 0 if v == "auto" else int(v),
+     "device KV pool budget in bytes, or 'auto' (free device memory less the workspace bound)"),
     ("hot_rows", int, "hot-cache rows per request and source"),
     ("page_rows", int, "rows per KV page"),
     ("reserve_bytes", int, "admission reserve in bytes"),

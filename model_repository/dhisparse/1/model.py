@@ -29,6 +29,9 @@ class TritonPythonModel:
         overrides = {key.removeprefix("engine."): repository.parse_override(value)
                      for key, value in parameters.items() if key.startswith("engine.")}
         llm = LLM(parameters["engine_dir"], **overrides)
+        workspace = llm.engine.workspace
+        print(f"dhisparse: {workspace.describe() if workspace is not None else 'no workspace bound (deepseek_v4)'}; "
+              f"KV pool {llm.engine.cfg.pool_bytes} bytes", flush=True)
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
         self.name = args["model_name"]

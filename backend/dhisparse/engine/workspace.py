@@ -1,0 +1,98 @@
+"""The device workspace bound: what a forward allocates on the device beside the KV pool, from the configuration.
+
+The KV pool (``pool_bytes``) covers what outlives a step (arena, indexer keys, page tables, hot-cache state,
+speculative state). Each forward also allocates temporaries; they are bounded here by the configuration alone —
+``max_batch_size``, ``prefill_chunk_tokens``, the verification length and the model config — because the indexer
+scores keys ``INDEX_TILE_TOKENS`` at a time (its workspace does not grow with the context). The one term that
+scales with ``max_model_len`` is the prefill's own copy of the prompt's rows (``LocalKV``), kept until import.
+
+The estimate counts every temporary of one layer live at once (an upper bound: the forward frees them between
+layers) and is checked against torch's memory profiler in tests/engine/test_workspace.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from dhisparse.model import attention as mla
+from dhisparse.model.config import ModelConfig
+
+F32, I64 = 4, 8
+
+
+@dataclass(frozen=True)
+class WorkspaceBound:
+    """Device bytes a forward may allocate beyond the KV pool (per part; ``total_bytes`` is their sum)."""
+
+    indexer_bytes: int  # one layer's tiled indexer scoring and running top-k
+    attention_bytes: int  # one layer's gathered rows, scores and probabilities
+    resolver_bytes: int  # one resolve call's temporaries and the step's stacked state
+    activation_bytes: int  # hidden states of one forward (a few copies)
+    prefill_kv_bytes: int  # the prompt's rows and indexer keys held by prefill until import
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.indexer_bytes + self.attention_bytes + self.resolver_bytes + self.activation_bytes
+                + self.prefill_kv_bytes)
+
+    def describe(self) -> str:
+        mib = 1 << 20
+        return (f"device workspace bound {self.total_bytes / mib:.1f} MiB beside the KV pool (indexer "
+                f"{self.indexer_bytes / mib:.1f}, attention {self.attention_bytes / mib:.1f}, resolver "
+                f"{self.resolver_bytes / mib:.1f}, activations {self.activation_bytes / mib:.1f}, prefill KV "
+                f"{self.prefill_kv_bytes / mib:.1f} MiB)")
+
+
+def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int, prefill_chunk_tokens: int,
+                    query_len: int, max_model_len: int, page_rows: int, hot_rows: int) -> WorkspaceBound:
+    """The bound for one engine configuration (see the module docstring)."""
+    e = dtype.itemsize
+    topk = min(cfg.index_topk, max_model_len)
+    tile = min(mla.INDEX_TILE_TOKENS, max_model_len)
+    heads, idx_heads, d = cfg.num_attention_heads, cfg.index_n_heads, cfg.index_head_dim
+    layers = cfg.num_hidden_layers
+    # The largest forward: a prefill chunk (1 request) or a decode/verification step of the full batch.
+    shapes = ((1, prefill_chunk_tokens), (max_batch_size, query_len))
+    indexer = attention = resolver = activations = 0
+    for batch, q in shapes:
+        rows = batch * q
+        indexer = max(indexer, rows * (3 * idx_heads * tile * F32 + 2 * idx_heads * d * F32 + 3 * tile * F32
+                                       + 3 * tile + 2 * (topk + tile) * (F32 + I64) + idx_heads * F32)
+                      + batch * tile * d * (e + 2 * F32))
+        attention = max(attention, rows * topk * (3 * cfg.row_dim * e + 6 * heads * F32 + I64)
+                        + rows * heads * (2 * cfg.kv_lora_rank + cfg.qk_head_dim + cfg.v_head_dim) * F32 * 2)
+        # ~20 int64 arrays of one resolve over [B, Q*K] entries; stacked hot state and page/host tables.
+        pages = -(-max_model_len // page_rows)
+        resolver = max(resolver, rows * topk * 20 * I64 + batch * layers * (6 * hot_rows + 3 * pages) * I64)
+        activations = max(activations, rows * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * F32
+                          + rows * cfg.vocab_size * F32 * 2)
+    prefill_kv = max_model_len * (layers * cfg.row_dim + len(cfg.indexer_layers) * d) * e
+    return WorkspaceBound(indexer, attention, resolver, activations, prefill_kv)
+
+
+def auto_pool_bytes(device: torch.device, workspace: WorkspaceBound, fraction: float = 0.9) -> int:
+    """A pool for ``pool_bytes=0`` ("auto"): ``fraction`` of the device's free memory (CUDA: ``mem_get_info``;
+    CPU: ``MemAvailable``) minus the workspace bound. Call it after the model's weights are on the device."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = _mem_available()
+    pool = int(free * fraction) - workspace.total_bytes
+    if pool < 1:
+        raise ValueError(f"pool_bytes=auto: {free} bytes free on {device} leave nothing after the workspace "
+                         f"bound of {workspace.total_bytes} bytes; set pool_bytes explicitly")
+    return pool
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,63 @@
+"""Every allocation a forward makes beside the KV pool stays within the workspace bound computed at start from the
+configuration (measured with torch's memory profiler on CPU, prefill and decode at several context lengths), and
+at a long context the untiled indexer scoring of earlier versions would exceed it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import random_prompts
+
+from dhisparse import LLM, SamplingParams
+from dhisparse.model import attention
+
+TILE = 16
+
+
+def _peak_bytes(fn) -> int:
+    """Peak of the bytes allocated (and not yet freed) while ``fn`` runs, from torch's profiler with memory
+    profiling: each operator's own allocations at its start, frees as ``[memory]`` events, in time order."""
+    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.function_events, key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def _llm(engine_dir, pool_bytes: int) -> LLM:
+    return LLM(engine_dir, kv_policy="hisparse", max_batch_size=2, prefill_chunk_tokens=32, page_rows=16,
+               pool_bytes=pool_bytes, max_model_len=320)
+
+
+def test_forward_allocations_stay_within_pool_plus_workspace_bound(tiny_engine, monkeypatch) -> None:
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", TILE)  # several tiles at these context lengths
+    pool = _llm(engine_dir, 1 << 30).engine.kv.required_bytes(256, 2) * 2  # one long request fits
+    llm = _llm(engine_dir, pool)
+    bound = llm.engine.workspace.total_bytes
+    assert llm.stats()["workspace_bound_bytes"] == bound
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate(random_prompts([20], 96, seed=1), params)  # allocates the host store's chunk (host memory)
+    for length in (64, 256):
+        prompt = random_prompts([length], 96, seed=length)
+        peak = _peak_bytes(lambda p=prompt: llm.generate(p, params))
+        assert peak <= pool + bound, f"context {length}: peak {peak} > pool {pool} + bound {bound}"
+    # The same long request with the whole context scored at once (the untiled indexer) exceeds it.
+    monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", 1 << 30)
+    untiled = _peak_bytes(lambda: llm.generate(random_prompts([256], 96, seed=256), params))
+    assert untiled > pool + bound
+
+
+@pytest.mark.parametrize("tile", [7])
+def test_tiled_indexer_selects_what_one_tile_selects(tiny_engine, monkeypatch, tile) -> None:
+    """Greedy tokens with the indexer tiled equal the single-tile tokens (distinct scores: same top-k, same order)."""
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    prompts = random_prompts([150, 97], 96, seed=11)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in LLM(engine_dir, kv_policy="dense").generate(prompts, params)]
+    monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", tile)
+    got = [o.token_ids for o in LLM(engine_dir, kv_policy="adaptive", page_rows=4).generate(prompts, params)]
+    assert got == want
+    assert torch.equal(torch.tensor([len(g) for g in got]), torch.tensor([6, 6]))
