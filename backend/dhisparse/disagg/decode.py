@@ -139,18 +139,21 @@ class DecodeEngine(LLMEngine):
             lengths.append(np.array([layout.total_bytes - meta_start]))
         tensors = [scratch]
         if rows_at is not None:
-            host = self.kv.host.rows
-            if host.dtype.itemsize != layout.element_bytes or host.shape[1] != layout.row_dim:
+            host = self.kv.host.rows  # ChunkedRows: fixed chunks that never move; a page lies in one chunk
+            if host.dtype.itemsize != layout.element_bytes or host.row_dim != layout.row_dim:
                 raise TransferError(f"context_phase_params: rows of {layout.row_dim} × {layout.rows_dtype} do not "
-                                    f"match this engine's host store ({host.shape[1]} × {host.dtype})")
+                                    f"match this engine's host store ({host.row_dim} × {host.dtype})")
             page_rows = self.kv.host.page_rows
             starts = torch.arange(0, layout.prompt_len, page_rows)
             run = (layout.prompt_len - starts).clamp(max=page_rows)
             sources = torch.arange(layout.num_sources).unsqueeze(1)
-            local.append((host.data_ptr() + rows_at[:, starts] * layout.row_bytes).reshape(-1).numpy())
+            first = rows_at[:, starts]  # [S, pages] global host rows of each page's first prompt row
+            chunk = first // host.chunk_rows
+            bases = torch.tensor([c.data_ptr() for c in host.chunks], dtype=torch.int64)
+            local.append((bases[chunk] + (first - chunk * host.chunk_rows) * layout.row_bytes).reshape(-1).numpy())
             remote.append(((sources * layout.prompt_len + starts) * layout.row_bytes).reshape(-1).numpy())
             lengths.append((run * layout.row_bytes).expand(layout.num_sources, -1).reshape(-1).numpy())
-            tensors.append(host)
+            tensors.extend(host.chunks)
         started = time.perf_counter()
         self.importer.read(context, tensors, np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
         seconds = time.perf_counter() - started

@@ -27,7 +27,8 @@ from dhisparse.kv.request_state import OPT_READY, RequestKV
 def history_host_rows(req: RequestKV, host: HostStore) -> torch.Tensor:
     """Host-store row index of every prompt position: ``[num_sources, prompt_len]`` int64 (CPU).
 
-    Row ``(s, t)`` of the prompt belongs at ``host.rows[history_host_rows(...)[s, t]]``; within a page the
+    Row ``(s, t)`` of the prompt belongs at global row ``history_host_rows(...)[s, t]`` of ``host.rows`` (a
+    :class:`ChunkedRows`: chunk ``r // chunk_rows``, row ``r % chunk_rows``); a page never straddles chunks and its
     rows are consecutive, so a transfer can write one contiguous run per (source, page)."""
     if req.host_pages is None:
         raise ValueError(f"request {req.request_id!r} has no host pages (policy without a host store)")
@@ -53,7 +54,8 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
         pos = torch.arange(complete * page_rows, length)
         req.page_table[:, complete] = req.tail_ring[:, complete % req.tail_pages].to(device)
         dst = req.tail_ring[:, (pos // page_rows) % req.tail_pages] * page_rows + pos % page_rows
-        pool.arena.index_copy_(0, dst.reshape(-1).to(device), host.rows[rows_at[:, pos].reshape(-1)].to(device))
+        rows = host.rows.index_select(0, rows_at[:, pos].reshape(-1))
+        pool.arena.index_copy_(0, dst.reshape(-1).to(device), rows.to(device, pool.arena.dtype))
     if policy != "adaptive" or req.prompt_pages == 0:
         return
 
@@ -74,7 +76,7 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
     within = torch.arange(page_rows)
     src = (req.host_pages[ks, ki].unsqueeze(1) * page_rows + within).reshape(-1)
     dst = (page_of.unsqueeze(1) * page_rows + within).reshape(-1)
-    pool.arena.index_copy_(0, dst.to(device), host.rows[src].to(device))
+    pool.arena.index_copy_(0, dst.to(device), host.rows.index_select(0, src).to(device, pool.arena.dtype))
 
 
 def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], indexer_layers: frozenset[int],
