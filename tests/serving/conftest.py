@@ -50,23 +50,30 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_engine(tmp_path_factory.mktemp("tiny"), max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.fixture(scope="session")
-def served(tiny_engine: Path, tmp_path_factory: pytest.TempPathFactory):
-    from dhisparse.serving.repository import RepositorySpec, fill_model_repository
+def start_triton(work: Path, fill) -> tuple[object, object, list[str]]:
+    """``fill(repo_dir)`` writes a model repository (returns its model names); start tritonserver on it on free
+    loopback ports (stopped at interpreter exit too). Returns ``(ServerConfig, TritonServer, models)``."""
     from dhisparse.serving.server import ServerConfig, TritonServer, free_ports
     from dhisparse.serving.triton_install import TritonInstall, prepare_backend_dir
 
-    work = tmp_path_factory.mktemp("triton")
-    # pages of 16 rows (the shared default is 64, sized for GPU-scale models): POOL_BYTES holds ~3 requests
-    overrides = {"kv_policy": KV_POLICY, "pool_bytes": POOL_BYTES, "page_rows": 16}
-    fill_model_repository(RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100), work / "repo")
+    models = fill(work / "repo")
     install = TritonInstall.locate()
-    backend_dir = prepare_backend_dir(install, work / "backends")
     http, grpc, metrics = free_ports(3)
-    config = ServerConfig(work / "repo", backend_dir, http, grpc, metrics)
+    config = ServerConfig(work / "repo", prepare_backend_dir(install, work / "backends"), http, grpc, metrics)
     server = TritonServer(config, install, work / "server.log")
     atexit.register(server.stop)
     server.start(timeout_s=180)
+    return config, server, models
+
+
+@pytest.fixture(scope="session")
+def served(tiny_engine: Path, tmp_path_factory: pytest.TempPathFactory):
+    from dhisparse.serving.repository import RepositorySpec, fill_model_repository
+
+    # pages of 16 rows (the shared default is 64, sized for GPU-scale models): POOL_BYTES holds ~3 requests
+    overrides = {"kv_policy": KV_POLICY, "pool_bytes": POOL_BYTES, "page_rows": 16}
+    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100)
+    config, server, _ = start_triton(tmp_path_factory.mktemp("triton"), lambda repo: fill_model_repository(spec, repo))
     try:
         yield ServedEngine(tiny_engine, overrides, config.http_url, config.grpc_url, config.metrics_url, server)
     finally:

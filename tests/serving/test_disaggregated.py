@@ -7,8 +7,6 @@ before the generation phase's tokens) and not streamed; the generation model exp
 
 from __future__ import annotations
 
-import atexit
-
 import pytest
 
 from dhisparse import SamplingParams
@@ -24,24 +22,16 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def disaggregated(tiny_engine, tmp_path_factory):
-    from conftest import POOL_BYTES, ServedEngine
+    from conftest import POOL_BYTES, ServedEngine, start_triton
 
     from dhisparse.disagg.repository import fill_disaggregated_repository
     from dhisparse.serving.repository import RepositorySpec
-    from dhisparse.serving.server import ServerConfig, TritonServer, free_ports
-    from dhisparse.serving.triton_install import TritonInstall, prepare_backend_dir
 
-    work = tmp_path_factory.mktemp("triton-disagg")
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES}
-    models = fill_disaggregated_repository(RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100),
-                                           work / "repo")
+    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100)
+    config, server, models = start_triton(tmp_path_factory.mktemp("triton-disagg"),
+                                          lambda repo: fill_disaggregated_repository(spec, repo))
     assert set(models) >= {"context", "generation", "disaggregated_serving_bls", "ensemble"}
-    install = TritonInstall.locate()
-    http, grpc, metrics = free_ports(3)
-    config = ServerConfig(work / "repo", prepare_backend_dir(install, work / "backends"), http, grpc, metrics)
-    server = TritonServer(config, install, work / "server.log")
-    atexit.register(server.stop)
-    server.start(timeout_s=180)
     try:
         yield ServedEngine(tiny_engine, overrides, config.http_url, config.grpc_url, config.metrics_url, server)
     finally:

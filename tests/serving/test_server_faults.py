@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import atexit
 import random
 import threading
 import urllib.error
@@ -18,7 +17,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import POOL_BYTES, PROMPT
+from conftest import POOL_BYTES, PROMPT, start_triton
 from idle import IDLE, settle, wait_idle
 
 from dhisparse_client import DHiSparseClient, GenerationError, GenerationOptions
@@ -32,18 +31,11 @@ FAULTS = "decode_forward@60,prefill_chunk@120"  # two faults, both certain to la
 @pytest.fixture(scope="module")
 def faulty_server(tiny_engine, tmp_path_factory):
     from dhisparse.serving.repository import RepositorySpec, fill_model_repository
-    from dhisparse.serving.server import ServerConfig, TritonServer, free_ports
-    from dhisparse.serving.triton_install import TritonInstall, prepare_backend_dir
 
-    work = tmp_path_factory.mktemp("triton-faults")
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES, "page_rows": 16, "fault_injection": FAULTS}
-    fill_model_repository(RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100), work / "repo")
-    install = TritonInstall.locate()
-    http, grpc, metrics = free_ports(3)
-    config = ServerConfig(work / "repo", prepare_backend_dir(install, work / "backends"), http, grpc, metrics)
-    server = TritonServer(config, install, work / "server.log")
-    atexit.register(server.stop)
-    server.start(timeout_s=180)
+    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100)
+    config, server, _ = start_triton(tmp_path_factory.mktemp("triton-faults"),
+                                     lambda repo: fill_model_repository(spec, repo))
     try:
         yield config
     finally:
