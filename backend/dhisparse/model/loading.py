@@ -6,14 +6,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dhisparse.errors import CheckpointError
 from dhisparse.model import weights as dsa_weights
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.deepseek_v4 import weights as v4_weights
@@ -25,15 +23,7 @@ AnyConfig = ModelConfig | DeepseekV4Config
 
 def read_any_config(checkpoint: Path) -> AnyConfig:
     """Parse ``checkpoint/config.json`` into the config of its family (``ConfigError`` names the problem)."""
-    path = checkpoint / "config.json"
-    if not checkpoint.is_dir():
-        raise CheckpointError(f"{checkpoint}: not a directory")
-    if not path.exists():
-        raise CheckpointError(f"{checkpoint}: config.json not found")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
+    raw = dsa_weights.read_raw_config(checkpoint)
     if raw.get("model_type") == V4:
         return DeepseekV4Config.from_hf_dict(raw)
     return ModelConfig.from_hf_dict(raw)

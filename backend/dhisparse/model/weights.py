@@ -196,15 +196,19 @@ def _fetch_experts(
     return torch.stack(parts)
 
 
-def read_config(checkpoint: Path) -> ModelConfig:
-    """Parse ``checkpoint/config.json`` into a validated ``ModelConfig``."""
+def read_raw_config(checkpoint: Path) -> dict:
+    """``checkpoint/config.json`` as a dict (``CheckpointError`` when the directory, file or JSON is bad)."""
     path = checkpoint / "config.json"
     if not checkpoint.is_dir():
         raise CheckpointError(f"{checkpoint}: not a directory")
     if not path.exists():
         raise CheckpointError(f"{checkpoint}: config.json not found")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path}: invalid JSON ({exc})") from exc
-    return ModelConfig.from_hf_dict(raw)
+
+
+def read_config(checkpoint: Path) -> ModelConfig:
+    """Parse ``checkpoint/config.json`` into a validated ``ModelConfig``."""
+    return ModelConfig.from_hf_dict(read_raw_config(checkpoint))
