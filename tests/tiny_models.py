@@ -79,18 +79,20 @@ def random_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def build_spec_engine(root: Path, checkpoint: Path) -> Path:
-    """An engine of ``checkpoint`` (the tiny GLM model) packed with small random-init drafters of both kinds."""
+def build_spec_engine(root: Path, checkpoint: Path, dtype: str = "float64", vocab_size: int = 96,
+                      target_hidden_size: int = 64) -> Path:
+    """An engine of ``checkpoint`` (a tiny target whose layers 1 and 3 feed the drafters) packed with small
+    random-init drafters of both kinds."""
     from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig, DSparkDrafter, save_drafter
     from dhisparse_builder import BuildOptions, build_engine
 
     if (root / "engine" / "runtime.json").exists():
         return root / "engine"
     torch.manual_seed(0)
-    common = dict(vocab_size=96, target_hidden_size=64, hidden_size=32, num_layers=1, num_heads=2,
-                  intermediate_size=64, max_block=8)
+    common = dict(vocab_size=vocab_size, target_hidden_size=target_hidden_size, hidden_size=32, num_layers=1,
+                  num_heads=2, intermediate_size=64, max_block=8)
     save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(1, 3), window=16, **common)), root / "dflash2")
     save_drafter(DSparkDrafter(DSparkConfig(target_layer_ids=(3,), markov_rank=4, confidence_hidden=16, **common)),
                  root / "dspark")
-    return build_engine(BuildOptions(checkpoint, root / "engine", {"dtype": "float64"},
+    return build_engine(BuildOptions(checkpoint, root / "engine", {"dtype": dtype},
                                      drafters=(root / "dflash2", root / "dspark")), progress=lambda d, t: None)

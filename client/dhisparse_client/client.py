@@ -163,30 +163,10 @@ class DHiSparseClient:
 
     def stream_inputs(self, model: str, inputs: list, output: str) -> Iterator[np.ndarray]:
         """Like `stream_raw`, with ready-made `tritonclient.grpc.InferInput`s."""
-        import tritonclient.grpc as grpcclient
-
-        client = grpcclient.InferenceServerClient(self.grpc_url)
-        responses: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        finished = False
-        try:
-            client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex,
-                                      enable_empty_final_response=True)
-            while not finished:
-                try:
-                    result, error = responses.get(timeout=self.timeout_s)
-                except queue.Empty as empty:
-                    raise GenerationError(f"no response from {model} within {self.timeout_s} s") from empty
-                if error is not None:
-                    finished = True
-                    raise GenerationError(error.message() if hasattr(error, "message") else str(error))
-                finished = result.get_response().parameters[FINAL_FLAG].bool_param
-                array = result.as_numpy(output)
-                if array is not None and array.size:
-                    yield array
-        finally:
-            client.stop_stream(cancel_requests=not finished)  # leaving early cancels the request
-            client.close()
+        for arrays in self.stream_results(model, inputs):
+            array = arrays.get(output)
+            if array is not None and array.size:
+                yield array
 
     def stream_results(self, model: str, inputs: list, outputs: Sequence[str] | None = None,
                        request_id: str = "") -> Iterator[dict[str, np.ndarray]]:

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_models import random_prompts
+from tiny_models import build_spec_engine, random_prompts
 
 from dhisparse import LLM, SamplingParams
 
@@ -22,8 +21,6 @@ nixl = pytest.importorskip("nixl._api", reason="NIXL (nixl==1.5.1) is not instal
 from dhisparse.disagg.decode import DecodeEngine, load_decode_engine  # noqa: E402
 from dhisparse.disagg.nixl_transfer import NixlImporter  # noqa: E402
 from dhisparse.disagg.worker import ContextWorker  # noqa: E402
-from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig, DSparkDrafter, save_drafter  # noqa: E402
-from dhisparse_builder import BuildOptions, build_engine  # noqa: E402
 
 LENGTHS = [9, 41, 70]
 NEW_TOKENS = 12
@@ -32,15 +29,7 @@ PARAMS = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine_dir(tiny_checkpoint, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("disagg")
-    torch.manual_seed(0)
-    common = dict(vocab_size=96, target_hidden_size=64, hidden_size=32, num_layers=1, num_heads=2,
-                  intermediate_size=64, max_block=8)
-    save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(1, 3), window=16, **common)), root / "dflash2")
-    save_drafter(DSparkDrafter(DSparkConfig(target_layer_ids=(3,), markov_rank=4, confidence_hidden=16, **common)),
-                 root / "dspark")
-    return build_engine(BuildOptions(tiny_checkpoint("glm_fsfs_sparse"), root / "engine", {"dtype": "float32"},
-                                     drafters=(root / "dflash2", root / "dspark")), progress=lambda d, t: None)
+    return build_spec_engine(tmp_path_factory.mktemp("disagg"), tiny_checkpoint("glm_fsfs_sparse"), "float32")
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_models import random_prompts
+from tiny_models import build_spec_engine, random_prompts
 from tiny_v4 import make_v4_checkpoint
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig, DSparkDrafter, save_drafter
-from dhisparse_builder import BuildOptions, build_engine
 
 PROMPTS = random_prompts([1, 13, 30, 45, 7], 97, seed=11)
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -24,16 +21,8 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def v4_spec_engine(tiny_root, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("v4spec")
-    torch.manual_seed(0)
-    common = dict(vocab_size=97, target_hidden_size=32, hidden_size=32, num_layers=1, num_heads=2,
-                  intermediate_size=64, max_block=8)
-    save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(1, 3), window=16, **common)), root / "dflash2")
-    save_drafter(DSparkDrafter(DSparkConfig(target_layer_ids=(3,), markov_rank=4, confidence_hidden=16, **common)),
-                 root / "dspark")
-    return build_engine(BuildOptions(make_v4_checkpoint(tiny_root, "v4_small_topk"), root / "engine",
-                                     {"dtype": "float64"}, drafters=(root / "dflash2", root / "dspark")),
-                        progress=lambda d, t: None)
+    return build_spec_engine(tmp_path_factory.mktemp("v4spec"), make_v4_checkpoint(tiny_root, "v4_small_topk"),
+                             vocab_size=97, target_hidden_size=32)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import random_prompts
+from tiny_models import build_spec_engine, random_prompts
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, DSparkConfig, DSparkDrafter, save_drafter
-from dhisparse_builder import BuildOptions, build_engine
 
 FEATURES = {
     "repetition": dict(repetition_penalty=1.8),
@@ -24,15 +22,7 @@ FEATURES = {
 
 @pytest.fixture(scope="module")
 def spec_engine(tiny_checkpoint, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("spec_processing")
-    torch.manual_seed(0)
-    common = dict(vocab_size=96, target_hidden_size=64, hidden_size=32, num_layers=1, num_heads=2,
-                  intermediate_size=64, max_block=8)
-    save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(1, 3), window=16, **common)), root / "dflash2")
-    save_drafter(DSparkDrafter(DSparkConfig(target_layer_ids=(3,), markov_rank=4, confidence_hidden=16, **common)),
-                 root / "dspark")
-    return build_engine(BuildOptions(tiny_checkpoint("glm_fsfs_sparse"), root / "engine", {"dtype": "float64"},
-                                     drafters=(root / "dflash2", root / "dspark")), progress=lambda d, t: None)
+    return build_spec_engine(tmp_path_factory.mktemp("spec_processing"), tiny_checkpoint("glm_fsfs_sparse"))
 
 
 @pytest.mark.parametrize("kind", ["dflash2", "dspark"])
