@@ -1,6 +1,7 @@
 """Every allocation a forward makes beside the KV pool stays within the workspace bound computed at start from the
 configuration (measured with torch's memory profiler on CPU, prefill and decode at several context lengths), and
-at a long context the untiled indexer scoring of earlier versions would exceed it."""
+at a long context the untiled indexer scoring, or prefill attention untiled over queries, of earlier versions
+would exceed it; tiling changes no token."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def _llm(engine_dir, pool_bytes: int) -> LLM:
-    return LLM(engine_dir, kv_policy="hisparse", max_batch_size=2, prefill_chunk_tokens=32, page_rows=16,
+def _llm(engine_dir, pool_bytes: int, chunk: int = 32) -> LLM:
+    return LLM(engine_dir, kv_policy="hisparse", max_batch_size=2, prefill_chunk_tokens=chunk, page_rows=16,
                pool_bytes=pool_bytes, max_model_len=320)
 
 
@@ -52,12 +53,36 @@ def test_forward_allocations_stay_within_pool_plus_workspace_bound(tiny_engine, 
 
 @pytest.mark.parametrize("tile", [7])
 def test_tiled_indexer_selects_what_one_tile_selects(tiny_engine, monkeypatch, tile) -> None:
-    """Greedy tokens with the indexer tiled equal the single-tile tokens (distinct scores: same top-k, same order)."""
+    """Greedy tokens with the indexer tiled (keys and queries, prefill attention over query tiles) equal the dense
+    store's single-tile tokens (distinct scores: same top-k, same order)."""
     engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
     prompts = random_prompts([150, 97], 96, seed=11)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = [o.token_ids for o in LLM(engine_dir, kv_policy="dense").generate(prompts, params)]
     monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", tile)
+    monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", tile)
     got = [o.token_ids for o in LLM(engine_dir, kv_policy="adaptive", page_rows=4).generate(prompts, params)]
     assert got == want
     assert torch.equal(torch.tensor([len(g) for g in got]), torch.tensor([6, 6]))
+
+
+def test_prefill_attention_tiled_over_queries_stays_within_the_bound(tiny_engine, monkeypatch) -> None:
+    """A whole 256-token prompt in one prefill chunk, every query attending to every earlier row (index_topk 512):
+    attention over one query tile at a time stays within pool + bound, the same prompt with all queries at once
+    (earlier versions) exceeds it, and both give the same tokens."""
+    engine_dir = tiny_engine("dsv32_dense_topk_large", "float32")
+    monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", 4 * TILE)
+    monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", TILE)
+    pool = _llm(engine_dir, 1 << 30, 256).engine.kv.required_bytes(256, 2) * 2
+    llm = _llm(engine_dir, pool, 256)
+    bound = llm.engine.workspace.total_bytes
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm.generate(random_prompts([20], 96, seed=1), params)  # allocates the host store's chunk (host memory)
+    outputs: dict[str, list[int]] = {}
+    prompt = random_prompts([256], 96, seed=256)
+    peak = _peak_bytes(lambda: outputs.__setitem__("tiled", llm.generate(prompt, params)[0].token_ids))
+    assert peak <= pool + bound, f"peak {peak} > pool {pool} + bound {bound}"
+    monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", 1 << 30)  # the indexer's keys stay tiled
+    untiled = _peak_bytes(lambda: outputs.__setitem__("untiled", llm.generate(prompt, params)[0].token_ids))
+    assert untiled > pool + bound
+    assert outputs["tiled"] == outputs["untiled"] and len(outputs["tiled"]) == 3

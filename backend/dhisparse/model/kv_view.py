@@ -34,7 +34,10 @@ class LocalKV:
     """KV of one request held in plain tensors: used by prefill (chunk after chunk) and as the dense reference.
 
     ``rows [num_layers, capacity, row_dim]``; ``keys {layer: [capacity, d]}`` for indexer layers.
+    ``gather`` is a plain lookup, so attention may call it once per tile of queries (``query_tiled_gather``).
     """
+
+    query_tiled_gather = True
 
     def __init__(
         self, num_layers: int, indexer_layers: tuple[int, ...], capacity: int, row_dim: int, key_dim: int,
