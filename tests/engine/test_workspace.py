@@ -1,7 +1,8 @@
 """Every allocation a forward makes beside the KV pool stays within the workspace bound computed at start from the
 configuration (measured with torch's memory profiler on CPU, prefill and decode at several context lengths), and
 at a long context the untiled indexer scoring, or prefill attention untiled over queries, of earlier versions
-would exceed it; tiling changes no token."""
+would exceed it; tiling changes no token. Prompts stream into the hierarchy's host pages chunk by chunk, so
+the prefill's own device KV is one chunk (a LocalKV of the whole prompt holds every row)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
+from dhisparse.engine.prefill_stream import StreamedPrefillKV
 from dhisparse.model import attention
 
 TILE = 16
@@ -41,6 +43,7 @@ def test_forward_allocations_stay_within_pool_plus_workspace_bound(tiny_engine, 
     assert llm.stats()["workspace_bound_bytes"] == bound
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     llm.generate(random_prompts([20], 96, seed=1), params)  # allocates the host store's chunk (host memory)
+    assert llm.engine.streams_prefill  # hisparse: prompts stream into their host pages chunk by chunk
     for length in (64, 256):
         prompt = random_prompts([length], 96, seed=length)
         peak = _peak_bytes(lambda p=prompt: llm.generate(p, params))
@@ -86,3 +89,29 @@ def test_prefill_attention_tiled_over_queries_stays_within_the_bound(tiny_engine
     untiled = _peak_bytes(lambda: outputs.__setitem__("untiled", llm.generate(prompt, params)[0].token_ids))
     assert untiled > pool + bound
     assert outputs["tiled"] == outputs["untiled"] and len(outputs["tiled"]) == 3
+
+
+def test_streamed_prefill_holds_one_chunk_of_rows_on_the_device(tiny_engine, monkeypatch) -> None:
+    """A prompt streamed into its host pages chunk by chunk gives the LocalKV prefill's logits, keys and rows exactly,
+    and its peak is lower by the rows of every chunk but one (a LocalKV holds the whole prompt's rows)."""
+    monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", TILE)
+    llm = _llm(tiny_engine("glm_fsfs_sparse", "float32"), 1 << 24)
+    kv, model = llm.engine.kv, llm.engine.model
+    length, chunk = 160, 32
+    prompt = random_prompts([length], 96, seed=3)[0]
+    assert kv.try_admit("r", length, 2)
+    row_index = kv.history_host_rows("r")
+    store = StreamedPrefillKV(kv.layout, kv.host.rows, row_index, chunk, model.dtype, model.device)
+    got: list = []
+    streamed = _peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk, store=store)))
+    local = _peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk)))
+    out, want = got
+    assert out.rows is None and torch.equal(out.logits, want.logits)
+    assert all(torch.equal(out.index_keys[i][:length], want.index_keys[i]) for i in want.index_keys)
+    host_rows = kv.host.rows.index_select(0, row_index.reshape(-1)).view_as(want.rows)
+    assert torch.equal(host_rows, want.rows)
+    rows_past_one_chunk = (length - chunk) * model.cfg.num_hidden_layers * model.cfg.row_dim * 4
+    assert local - streamed >= 0.9 * rows_past_one_chunk, (local, streamed, rows_past_one_chunk)
+    kv.import_host_history("r", out.index_keys)
+    kv.release("r")
+    kv.check_invariants()

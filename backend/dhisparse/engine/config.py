@@ -38,6 +38,7 @@ class EngineConfig:
     reserve_bytes: int = defaults.RESERVE_BYTES
     host_bytes: int = 0  # 0: half of the machine's physical memory
     kv_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy policies only)
+    stream_prefill: bool = True  # prompts go to their host pages chunk by chunk (host-store policies, native rows)
     refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     speculative: str | None = None
     num_draft_tokens: int = defaults.NUM_DRAFT_TOKENS

@@ -5,8 +5,11 @@ speculative state). Each forward also allocates temporaries; they are bounded he
 ``max_batch_size``, ``prefill_chunk_tokens``, the verification length and the model config — because the indexer
 scores keys ``INDEX_TILE_TOKENS`` at a time and queries ``QUERY_TILE_TOKENS`` at a time, and prefill attention reads
 its selected rows ``QUERY_TILE_TOKENS`` queries at a time: neither grows with the context, and the attention part
-is capped by ``index_topk`` (rows attended per query), not by the chunk. The one term that scales with
-``max_model_len`` is the prefill's own copy of the prompt's rows (``LocalKV``), kept until import.
+is capped by ``index_topk`` (rows attended per query), not by the chunk. What scales with ``max_model_len`` is the
+prefill's own KV: with a host store (``hisparse``/``adaptive``, native rows) prompts stream into their host pages
+chunk by chunk (``engine/prefill_stream.py``) and only the prompt's indexer keys scale (``index_head_dim`` values
+per token and indexer layer, held until import); otherwise (``resident``, FP8 rows, the dense reference) the
+prefill's ``LocalKV`` holds the whole prompt's rows and keys until import.
 
 The estimate counts every temporary of one layer live at once (an upper bound: the forward frees them between
 layers) and is checked against torch's memory profiler in tests/engine/test_workspace.py.
@@ -49,8 +52,10 @@ class WorkspaceBound:
 
 
 def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int, prefill_chunk_tokens: int,
-                    query_len: int, max_model_len: int, page_rows: int, hot_rows: int) -> WorkspaceBound:
-    """The bound for one engine configuration (see the module docstring)."""
+                    query_len: int, max_model_len: int, page_rows: int, hot_rows: int,
+                    streamed_prefill: bool = False) -> WorkspaceBound:
+    """The bound for one engine configuration (see the module docstring). ``streamed_prefill``: prompts stream
+    into their host pages chunk by chunk (``engine/prefill_stream.py``), so the prefill holds one chunk of rows."""
     e = dtype.itemsize
     topk = min(cfg.index_topk, max_model_len)
     tile = min(mla.INDEX_TILE_TOKENS, max_model_len)
@@ -82,7 +87,13 @@ def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int
         moe = cfg.num_experts_per_tok * (3 * cfg.hidden_size + 3 * cfg.moe_intermediate_size) * F32
         activations = max(activations, rows * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * F32
                           + rows * moe + rows * cfg.vocab_size * F32 * 2)
-    prefill_kv = max_model_len * (layers * cfg.row_dim + len(cfg.indexer_layers) * d) * e
+    keys = max_model_len * len(cfg.indexer_layers) * d * e  # the prompt's indexer keys until import
+    if streamed_prefill:  # one chunk of rows per layer on the device, plus the distinct earlier rows one
+        # query tile selected, fetched from the host store (host rows, their device copy, the row index)
+        fetched = min(qt, prefill_chunk_tokens) * topk * (2 * cfg.row_dim * e + 3 * I64)
+        prefill_kv = prefill_chunk_tokens * layers * cfg.row_dim * e + fetched + keys
+    else:  # the whole prompt's rows (LocalKV)
+        prefill_kv = max_model_len * layers * cfg.row_dim * e + keys
     return WorkspaceBound(indexer, attention, resolver, activations, prefill_kv)
 
 

@@ -30,6 +30,19 @@ class StepKV(Protocol):
         zeros where the position is −1."""
 
 
+class PrefillKV(StepKV, Protocol):
+    """A store one request's prefill runs over, chunk after chunk (``LocalKV``, or the engine's streamed store)."""
+
+    keys: dict[int, torch.Tensor]
+    """``{layer: [capacity, d]}``: the prompt's indexer keys."""
+
+    def begin(self, query_len: int) -> StepKV:
+        """Start a forward over the next ``query_len`` tokens (B = 1)."""
+
+    def end(self) -> None:
+        """Commit the forward's rows."""
+
+
 class LocalKV:
     """KV of one request held in plain tensors: used by prefill (chunk after chunk) and as the dense reference.
 
