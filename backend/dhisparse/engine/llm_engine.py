@@ -296,7 +296,7 @@ class LLMEngine:
         out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens,
                                  capture_hidden=self.spec.layers if self.spec else (),
                                  all_logits=req.params.context_logits, on_chunk=self._prefill_chunk_hook,
-                                 store=store)
+                                 **({"store": store} if store is not None else {}))  # DSAModel only
         if req.params.context_logits:
             req.context_logits = out.all_logits
         if out.rows is None:  # streamed: the rows are in the request's host pages already
