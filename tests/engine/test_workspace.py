@@ -12,7 +12,9 @@ from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
 from dhisparse.engine.prefill_stream import StreamedPrefillKV
+from dhisparse.engine.workspace import workspace_bound
 from dhisparse.model import attention
+from dhisparse.model.weights import read_config
 
 TILE = 16
 
@@ -74,8 +76,8 @@ def test_prefill_attention_tiled_over_queries_stays_within_the_bound(tiny_engine
     attention over one query tile at a time stays within pool + bound, the same prompt with all queries at once
     (earlier versions) exceeds it, and both give the same tokens."""
     engine_dir = tiny_engine("dsv32_dense_topk_large", "float32")
-    monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", 4 * TILE)
-    monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", TILE)
+    monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", 8 * TILE)
+    monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", 2 * TILE)
     pool = _llm(engine_dir, 1 << 30, 256).engine.kv.required_bytes(256, 2) * 2
     llm = _llm(engine_dir, pool, 256)
     bound = llm.engine.workspace.total_bytes
@@ -115,3 +117,21 @@ def test_streamed_prefill_holds_one_chunk_of_rows_on_the_device(tiny_engine, mon
     kv.import_host_history("r", out.index_keys)
     kv.release("r")
     kv.check_invariants()
+
+
+def test_bound_grows_with_max_model_len_only_by_the_prompts_indexer_keys(tiny_checkpoint) -> None:
+    """With a streamed prefill the indexer, attention and activation terms do not depend on max_model_len, and the
+    prefill's KV grows only by the prompt's indexer keys (a LocalKV prefill grows by every layer's rows too)."""
+    cfg = read_config(tiny_checkpoint("glm_fsfs_sparse"))
+    e, keys_per_token = 4, len(cfg.indexer_layers) * cfg.index_head_dim * 4
+
+    def bound(length: int, streamed: bool):
+        return workspace_bound(cfg, torch.float32, max_batch_size=2, prefill_chunk_tokens=32, query_len=1,
+                               max_model_len=length, page_rows=16, hot_rows=8, streamed_prefill=streamed)
+    short, long = bound(4096, True), bound(65536, True)
+    assert (short.indexer_bytes, short.attention_bytes, short.activation_bytes) == (
+        long.indexer_bytes, long.attention_bytes, long.activation_bytes)
+    assert long.prefill_kv_bytes - short.prefill_kv_bytes == (65536 - 4096) * keys_per_token
+    rows_per_token = cfg.num_hidden_layers * cfg.row_dim * e
+    local_growth = bound(65536, False).prefill_kv_bytes - bound(4096, False).prefill_kv_bytes
+    assert local_growth == (65536 - 4096) * (keys_per_token + rows_per_token)
