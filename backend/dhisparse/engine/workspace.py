@@ -36,7 +36,7 @@ class WorkspaceBound:
     attention_bytes: int  # one layer's gathered rows, scores and probabilities
     resolver_bytes: int  # one resolve call's temporaries and the step's stacked state
     activation_bytes: int  # hidden states of one forward (a few copies)
-    prefill_kv_bytes: int  # the prompt's rows and indexer keys held by prefill until import
+    prefill_kv_bytes: int  # prefill KV until import: a chunk of rows (streamed) or all rows, and the prompt's keys
 
     @property
     def total_bytes(self) -> int:
