@@ -1,18 +1,79 @@
 """DeepSeek-V4-Flash at 500K context: per-request device footprint (required / optional / index keys) under each
-policy, from the code the V4 manager admits with, and how many requests fit one H200's KV pool.
+policy, from the code the V4 manager admits with, how many requests fit one H200's KV pool, and the C512
+throughput experiment (resident / hisparse / adaptive, each with DSpark) on the V4 time model.
 
-Writes ``docs/results/deepseek_v4_500k_footprint.csv`` and ``docs/results/deepseek_v4_500k.md``.
+Writes ``docs/results/deepseek_v4_500k_footprint.csv``, ``docs/results/deepseek_v4_500k_throughput.csv`` and
+``docs/results/deepseek_v4_500k.md``.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import time
 from pathlib import Path
 
 from dhisparse.planner.deepseek_v4 import DSV4_FLASH, kv_pool_bytes, request_split
+from dhisparse.planner.deepseek_v4_sim import V4Scale, V4Serving, simulate_v4
+from dhisparse.planner.deepseek_v4_time import V4Deployment
+from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
+from dhisparse.planner.specs import H200
+from dhisparse.planner.speculation import SpeculationModel
 
 GIB = 1 << 30
 PROMPT, OUTPUT = 500_000, 2048
+CLIENTS = 512
+PAPER_RATIO = 1.85
+# the DSpark setting of the DeepSeek-V3.2 500K experiment (dhisparse.planner.paper.deepseek_500k)
+SPEC = SpeculationModel(drafter="dspark", gamma=4, busy_batch=32)
+SCALE = V4Scale(entry_scale=8, step_scale=32)
+# (reading, deployment, clients on one KV pool)
+READINGS = (
+    ("C512 on one GPU's pool (TP8 attention)", V4Deployment(gpus=8, attn_tp=8), CLIENTS),
+    ("C512 per 8-GPU instance (DP8 attention, 64 per GPU)", V4Deployment(gpus=8, attn_tp=1), CLIENTS // 8),
+)
+
+
+def throughput_rows(log: bool = True) -> list[dict[str, object]]:
+    """resident / hisparse / adaptive with DSpark under both readings of C512 (locality: the calibrated model
+    and the low end of its overlap range; resident does not depend on it)."""
+    rows: list[dict[str, object]] = []
+    low = CALIBRATED_OVERLAP_RANGE[0]
+    runs = [(reading, dep, clients, policy, overlap)
+            for reading, dep, clients in READINGS for policy in ("resident", "hisparse", "adaptive")
+            for overlap in ((CALIBRATED.overlap,) if policy == "resident" else (CALIBRATED.overlap, low))]
+    # the KV-read convention (see deepseek_v4_time): window / HCA rows and indexer keys read once per request
+    runs += [(reading, dataclasses.replace(dep, kv_read_once=True), clients, policy, CALIBRATED.overlap)
+             for reading, dep, clients in READINGS for policy in ("resident", "adaptive")]
+    for reading, dep, clients, policy, overlap in runs:
+        t0 = time.perf_counter()
+        loc = dataclasses.replace(CALIBRATED, overlap=overlap)
+        serving = V4Serving(policy, SPEC, locality=loc)
+        res = simulate_v4(H200, DSV4_FLASH, dep, serving, clients, PROMPT, OUTPUT, scale=SCALE)
+        rows.append({"reading": reading, "label": serving.label, "overlap": round(overlap, 3),
+                     "kv_read": "once per request" if dep.kv_read_once else "per query",
+                     "clients_per_pool": clients, **{k: round(v, 4) for k, v in res.items()}})
+        if log:
+            print(f"  {reading:>52} {serving.label:>16} overlap {overlap:.3f}: "
+                  f"{res['output_tok_per_s_per_gpu']:8.1f} tok/s/GPU, batch {int(res['max_batch'])}, TPOT "
+                  f"{1e3 * res['mean_tpot_s']:.1f} ms ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return rows
+
+
+def ratio_lines(rows: list[dict[str, object]]) -> str:
+    out = "| reading | KV read | locality overlap | adaptive / resident (run) | adaptive / resident (full batch) " \
+          "| paper |\n| --- | --- | --- | --- | --- | --- |\n"
+    for reading, _, _ in READINGS:
+        for kv_read in ("per query", "once per request"):
+            res = next(r for r in rows if r["reading"] == reading and r["label"] == "resident+dspark"
+                       and r["kv_read"] == kv_read)
+            for r in rows:
+                if r["reading"] == reading and r["label"] == "adaptive+dspark" and r["kv_read"] == kv_read:
+                    run = float(r["output_tok_per_s_per_gpu"]) / float(res["output_tok_per_s_per_gpu"])
+                    full = float(r["full_batch_tok_per_s_per_gpu"]) / float(res["full_batch_tok_per_s_per_gpu"])
+                    out += (f"| {reading} | {kv_read} | {r['overlap']} | {run:.2f}x | {full:.2f}x | "
+                            f"{PAPER_RATIO}x |\n")
+    return out
 
 
 def main() -> None:
@@ -42,7 +103,22 @@ def main() -> None:
                    f"({r['index_key_gib']}) | {r['optional_gib']} | {r['max_concurrency_per_gpu']} | "
                    f"{r['max_concurrency_8_gpus']} |\n" for r in rows)
     print(head + body)
-    (out_dir / "deepseek_v4_500k.md").write_text(TEMPLATE.format(pool=rows[0]["pool_gib"], table=head + body))
+    runs = throughput_rows()
+    with open(out_dir / "deepseek_v4_500k_throughput.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(runs[0]))
+        writer.writeheader()
+        writer.writerows(runs)
+    thead = "| reading | config | KV read | overlap | max batch | tok/s per GPU (run) | tok/s per GPU (full batch) | " \
+            "mean TPOT ms | host / hot / direct % |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    tbody = "".join(
+        f"| {r['reading']} | {r['label']} | {r['kv_read']} | {r['overlap']} | {int(float(r['max_batch']))} | "
+        f"{float(r['output_tok_per_s_per_gpu']):.1f} | {float(r['full_batch_tok_per_s_per_gpu']):.1f} | "
+        f"{1e3 * float(r['mean_tpot_s']):.1f} | {100 * float(r['host_share']):.1f} / {100 * float(r['hot_share']):.1f}"
+        f" / {100 * float(r['direct_share']):.1f} |\n" for r in runs)
+    ratios = ratio_lines(runs)
+    print(thead + tbody + "\n" + ratios)
+    (out_dir / "deepseek_v4_500k.md").write_text(TEMPLATE.format(pool=rows[0]["pool_gib"], table=head + body,
+                                                                 throughput=thead + tbody, ratios=ratios))
 
 
 TEMPLATE = """# DeepSeek-V4-Flash at 500K: what one request holds on the device
@@ -68,6 +144,9 @@ planner's simulator (`dhisparse.planner`) drives a token-granular `KVManager`; V
 stepping (`engine/v4_hierarchy.py`) and a V4 time model (compressor, indexer over entries, mHC), and the runtime
 does not serve V4 with a drafter yet. Whether "C512" is per GPU or per 8-GPU instance is not stated in our
 copy of the paper; the last column gives the 8-GPU (data-parallel attention) reading.
+
+{throughput}
+{ratios}
 """
 
 if __name__ == "__main__":
