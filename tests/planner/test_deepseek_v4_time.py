@@ -63,3 +63,28 @@ def test_resident_admits_only_what_fits():
     assert ada["max_batch"] > 2 and ada["host_share"] > 0.0
     with pytest.raises(ValueError, match="needs"):
         _sim("resident", 0.5 * required)
+
+
+@pytest.mark.parametrize("overlap", [0.6, 0.858])
+def test_entry_cache_model_agrees_with_the_kv_manager(overlap):
+    """With one token per entry (rate 1) the V4 stepping's direct / hot / host split of selected entries is the
+    one the real KVManager's resolver produces in the DSA simulator for the same selections' statistics."""
+    from dhisparse.planner.locality import CALIBRATED
+    from dhisparse.planner.scale import ScaleSpec
+    from dhisparse.planner.simulator import simulate
+    from dhisparse.planner.specs import ModelSpec
+    from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+
+    m = ModelSpec(name="one CSA layer", num_layers=1, index_group_size=1, index_topk=512, row_bytes=584,
+                  index_key_bytes=132, attn_heads=64, index_heads=64, index_head_dim=128, total_params=284e9,
+                  active_params=13e9, dense_params=6e9, moe_layers=43, num_experts=256, experts_per_token=6)
+    hw = dataclasses.replace(H200, hbm_bytes=m.weight_bytes_per_gpu + m.workspace_bytes + 256e6)  # small arena
+    loc = dataclasses.replace(CALIBRATED, overlap=overlap, recent_window_tokens=1024)
+    ref = simulate(hw, m, ServingSpec(policy="hisparse", hot_rows=4096, locality=loc, max_batch_size=2),
+                   WorkloadSpec(32768, 256, concurrency=2, num_requests=2), ScaleSpec(token_scale=8)).summary()
+    cfg = dataclasses.replace(DSV4_FLASH, compress_rate_csa=1)
+    got = V4Sim(H200, cfg, V4Deployment(8, 1), V4Serving("hisparse", None, locality=loc), 2, 32768, 256,
+                pool_bytes=80e9, scale=V4Scale(entry_scale=8, step_scale=8)).run()
+    assert ref["host_share"] > 0.1
+    assert abs(got["host_share"] - ref["host_share"]) < 0.1 * ref["host_share"]
+    assert abs(got["hot_share"] - ref["hot_share"]) < 0.03 and abs(got["direct_share"] - ref["direct_share"]) < 0.01
