@@ -3,7 +3,10 @@
 - :class:`NixlExporter` (prefill side) registers each prompt's region with its agent and holds it until
   the decode side's READ completes: NIXL delivers the READ's notification message (the request key) to
   this agent (``get_new_notifs``), and :meth:`NixlExporter.poll` then deregisters and frees the region.
-  A region nobody reads is freed after ``hold_timeout_s`` (decode side gone, request cancelled elsewhere).
+  A region whose request was cancelled before the pull is freed at once by :meth:`NixlExporter.cancel` (the
+  context model's ``cancel_request_id`` control request, sent by the orchestrator), or by a NIXL notification the
+  decode side sends without reading (:meth:`NixlImporter.release_remote`). A region nobody reads or cancels is
+  freed after ``hold_timeout_s`` (decode side gone).
 - :class:`NixlImporter` (decode side) loads the exporter's agent metadata (shipped inside the context
   phase params: ``get_partial_agent_metadata`` / ``add_remote_agent``), keeps the host store and a scratch
   buffer registered (re-registering when the host store grows), and performs one READ per request with
@@ -58,7 +61,7 @@ class NixlExporter:
         self._arenas: list[tuple[torch.Tensor, Any, bytes, ArenaRanges]] = []  # buffer, registration, metadata
         self._held: dict[str, tuple[int, int, int, float]] = {}  # key -> (arena, offset, bytes, deadline)
         self.counters = {"regions_published": 0.0, "regions_released": 0.0, "regions_expired": 0.0,
-                         "bytes_published": 0.0}
+                         "regions_cancelled": 0.0, "bytes_published": 0.0}
 
     def _new_arena(self, nbytes: int) -> int:
         buffer = torch.zeros(max(self.arena_bytes, 2 * nbytes), dtype=torch.uint8)
@@ -107,6 +110,15 @@ class NixlExporter:
             self.counters["regions_expired"] += 1
             released.append(key)
         return released
+
+    def cancel(self, suffix: str) -> list[str]:
+        """Free at once the held regions whose key ends with ``/suffix`` (the request was cancelled before the
+        generation side pulled it); returns their keys. Counted as ``regions_cancelled``."""
+        keys = [key for key in self._held if key.endswith(f"/{suffix}")]
+        for key in keys:
+            self._release(key)
+            self.counters["regions_cancelled"] += 1
+        return keys
 
     def _release(self, key: str) -> bool:
         held = self._held.pop(key, None)
