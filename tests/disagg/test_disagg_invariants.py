@@ -1,5 +1,8 @@
 """The decode side's invariants over random sequences of imports, cancellations, transfer failures and steps.
 
+READs are asynchronous: admission posts them and later steps import them, so cancellations land on requests that
+wait for admission, whose READ is in flight (they keep their memory until it ended), or that decode.
+
 Both NIXL agents live in this process (real UCX transfers over loopback); a failed transfer is a READ whose
 descriptors NIXL refuses (the params point past the exporter's registered region). After every operation the
 KV manager's invariants hold; at the end every tier is empty and the exporter holds no region.
@@ -39,6 +42,13 @@ def sides(tiny_engine):
     service.close()
 
 
+def _check_transfers(engine) -> None:
+    """A request whose READ is in flight holds its admission and a batch slot, and is neither waiting nor running."""
+    for request_id, (req, _, _, _) in engine.transferring.items():
+        assert req.kv_admitted and req not in engine.waiting and req not in engine.running, request_id
+    assert len(engine.running) + len(engine.transferring) <= engine.cfg.max_batch_size
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["import", "import", "fail", "cancel", "step", "step"]),
                          st.integers(0, len(PROMPTS) - 1)), min_size=3, max_size=10)
 
@@ -66,9 +76,12 @@ def test_invariants_hold_over_imports_cancellations_and_failures(sides, ops) -> 
         else:
             engine.step()
         engine.kv.check_invariants()
+        _check_transfers(engine)
     while engine.has_unfinished():
         engine.step()
         engine.kv.check_invariants()
+        _check_transfers(engine)
+    assert not engine.transferring
     for rid in failing:
         if engine.requests[rid].finish_reason != "abort":
             assert engine.requests[rid].finish_reason == "error" and rid in engine.errors
