@@ -95,3 +95,56 @@ def test_invariants_hold_over_imports_cancellations_and_failures(sides, ops) -> 
             break
         time.sleep(0.005)
     assert service.exporter.held_keys == []
+
+
+class HeldImporter(NixlImporter):
+    """A real importer whose finished READs are reported in flight while ``held`` (a slow link, made
+    deterministic): the bytes move over NIXL as usual, the engine just sees them arrive when the test says."""
+
+    held = False
+
+    def check(self, pending) -> bool:
+        return super().check(pending) and not self.held
+
+
+def test_decode_proceeds_while_a_read_is_in_flight_and_a_cancelled_read_keeps_its_memory(sides) -> None:
+    engine_dir, service, _, need = sides
+    importer = HeldImporter("held-decode", timeout_s=30.0)
+    try:
+        engine = load_decode_engine(engine_dir, importer, kv_policy="adaptive", page_rows=4, max_batch_size=4,
+                                    pool_bytes=3 * need)
+        long = SamplingParams(max_tokens=40, ignore_eos=True)
+        engine.add_imported_request(PROMPTS[0], long, service.run(PROMPTS[0], long, "a"), "a")
+        while "a" in engine.transferring or engine.requests["a"].status.name == "WAITING":
+            engine.step()
+        for rid in ("b", "c"):
+            engine.add_imported_request(PROMPTS[1], PARAMS, service.run(PROMPTS[1], PARAMS, rid), rid)
+        importer.held = True
+        for _ in range(3):  # both READs in flight: "a" keeps decoding meanwhile
+            before = len(engine.requests["a"].output_token_ids)
+            engine.step()
+            engine.kv.check_invariants()
+            assert set(engine.transferring) == {"b", "c"} and len(engine.requests["a"].output_token_ids) > before
+        running = engine.stats()["kv_requests_running"]
+        assert engine.abort_request("b")  # cancelled mid-READ: its pages stay reserved until the READ ended
+        engine.step()
+        assert "b" in engine.transferring and engine.stats()["kv_requests_running"] == running
+        importer.held = False
+        engine.step()
+        assert not engine.transferring and engine.requests["b"].finish_reason == "abort"
+        assert engine.requests["c"].status.name == "RUNNING"
+        while engine.has_unfinished():
+            engine.step()
+            engine.kv.check_invariants()
+        assert engine.requests["c"].finish_reason == "length" and engine.requests["a"].finish_reason == "length"
+        engine.kv.poll()
+        stats = engine.stats()
+        assert stats["kv_required_bytes"] == 0 and stats["kv_host_pages_used"] == 0
+    finally:
+        importer.close()
+    for _ in range(2000):  # the READs' notifications released every region
+        service.poll()
+        if not service.exporter.held_keys:
+            break
+        time.sleep(0.005)
+    assert service.exporter.held_keys == []
