@@ -69,3 +69,22 @@ def test_cli_flags_map_to_the_options() -> None:
     assert options == DisaggregatedOptions("generation", "10.0.0.1:8001", "b", 7.0, 9.0)
     with pytest.raises(ValueError, match="--context-url"):
         _disaggregated_options(parse_args(["--engine", "E", "--context-url", "a:1"]))
+
+
+def test_unreachable_context_server_is_a_clear_error() -> None:
+    import numpy as np
+
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient (the serve extra) is not installed")
+
+    from dhisparse.disagg.context_client import ContextPhaseError, RemoteContext
+    from dhisparse.serving.server import free_ports
+
+    (port,) = free_ports(1)
+    context = RemoteContext(f"127.0.0.1:{port}")
+    try:
+        with pytest.raises(ContextPhaseError, match=f"context server 127.0.0.1:{port}"):
+            context.call({"input_lengths": np.array([[1]], dtype=np.int32)}, "r0")
+    finally:
+        context.close()
+    with pytest.raises(ValueError, match="context_url"):
+        RemoteContext("no-port")
