@@ -19,6 +19,11 @@ from typing import Any, Protocol
 import numpy as np
 
 CONTEXT_OUTPUTS = ["output_ids", "sequence_length", "context_phase_params"]
+# gRPC channel of RemoteContext: tritonclient's message limits, and reconnect backoff capped at 1 s (gRPC's default
+# grows to 120 s, during which every request fails at once: a restarted context server would stay unused).
+CHANNEL_ARGS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class ContextPhaseError(RuntimeError):
@@ -77,7 +82,7 @@ class RemoteContext:
             raise ValueError(f"context_url must be HOST:PORT of the context server's gRPC endpoint, got {url!r}")
         self.url, self.model, self._timeout_s = url, model, timeout_s
         self._grpc = grpcclient
-        self._client = grpcclient.InferenceServerClient(url)
+        self._client = grpcclient.InferenceServerClient(url, channel_args=CHANNEL_ARGS)
 
     def _infer(self, arrays: dict[str, np.ndarray], request_id: str) -> Any:
         from tritonclient.utils import InferenceServerException, np_to_triton_dtype
