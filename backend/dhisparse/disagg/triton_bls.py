@@ -58,7 +58,9 @@ class DisaggregatedBLS:
 
     def _cancel(self, target: str) -> None:
         # Its own request id: a control request sharing the target's id stalls the target's stream.
-        control = self._request(self._generation, {"cancel_request_id": np.array([[target.encode()]], dtype=object)},
+        # input_lengths: a required input of `generation`; a control request carries no prompt.
+        control = self._request(self._generation, {"cancel_request_id": np.array([[target.encode()]], dtype=object),
+                                                   "input_lengths": np.array([[0]], dtype=np.int32)},
                                 f"{target}-cancel", ["output_ids", "sequence_length"])
         for _ in control.exec(decoupled=True):
             pass
