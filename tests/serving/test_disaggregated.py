@@ -193,13 +193,14 @@ def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
         assert first == tokens[0][0]
         assert ContextPhaseParams.from_bytes(params).request_key.endswith("/probe-cancel")
         held = _wait_regions(context_server, lambda r: r["regions_held"] == 1)  # nobody reads it: it stays held
-        assert context.cancel("probe-cancel") == 1  # freed by the control request, synchronously
+        freed = context.cancel("probe-cancel")  # freed by the control request, synchronously
+        assert freed == 1, f"cancel freed {freed} regions; before it: {held}"
         assert context.cancel("probe-cancel") == 0  # nothing left to free
     finally:
         context.close()
     after = _wait_regions(context_server, lambda r: r["regions_held"] == 0)
-    assert after["regions_cancelled"] - held["regions_cancelled"] == 1
-    assert after["regions_expired"] == held["regions_expired"]
+    assert after["regions_cancelled"] - held["regions_cancelled"] == 1, (held, after)
+    assert after["regions_expired"] == held["regions_expired"], (held, after)
 
 
 def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer):
