@@ -181,3 +181,22 @@ def test_verification_steps_with_partial_acceptance_stay_exact(policy, v4_engine
 def test_never_admissible_names_the_v4_state(v4_engine):
     with pytest.raises(ValueError, match=r"prompt 45 \+ max_new_tokens 12 tokens, of which \d+ are the deepseek_v4"):
         LLM(v4_engine("v4_small_topk"), kv_policy="hisparse", pool_bytes=20_000).generate([PROMPTS[3]], PARAMS)
+
+
+def test_hot_cache_below_a_verification_block_is_refused():
+    """V4 has no verification staging: the hot cache must hold a block's whole union of selections."""
+    import dataclasses
+
+    from dhisparse.engine.config import EngineConfig
+    from dhisparse.engine.kv_factory import make_kv_manager
+    from dhisparse.errors import ConfigError
+    from dhisparse.planner.deepseek_v4 import DSV4_FLASH
+
+    cfg = dataclasses.replace(DSV4_FLASH, num_hidden_layers=3, layer_types=DSV4_FLASH.layer_types[:3],
+                              mlp_layer_types=("moe",) * 3, hidden_size=64, head_dim=64, qk_rope_head_dim=16,
+                              num_attention_heads=2, index_n_heads=2, index_head_dim=16, index_topk=8,
+                              max_position_embeddings=256)
+    engine = EngineConfig(kv_policy="hisparse", pool_bytes=1 << 22, page_rows=4, hot_rows=8 * 5 - 1)
+    with pytest.raises(ConfigError, match="hot_rows"):
+        make_kv_manager(cfg, engine, max_query_len=5)
+    assert make_kv_manager(cfg, dataclasses.replace(engine, hot_rows=0), max_query_len=5) is not None

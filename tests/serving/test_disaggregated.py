@@ -1,11 +1,22 @@
-"""Disaggregated serving through the real Triton server: `context` and `generation` engine processes joined by NIXL,
+"""Disaggregated serving through real Triton servers: `context` and `generation` engine processes joined by NIXL,
 orchestrated by `disaggregated_serving_bls`, used by the `ensemble` in place of the LLM model.
 
+Two tritonservers on loopback, as on two hosts: one serves only `context` (``--role context``), the other
+`generation`, the orchestrator and the text models (``--role generation --context-url``); the orchestrator calls the
+context server over gRPC and the history moves by NIXL READ between the two servers' engine processes.
+``DHISPARSE_DISAGG_TOPOLOGY=one`` runs the same tests against one server holding every model (``--role both``,
+the orchestrator calls `context` through BLS requests).
+
 Greedy output equals offline co-located `LLM.generate`, streamed (the first token arrives from the context phase,
-before the generation phase's tokens) and not streamed; the generation model exports transfer metrics.
+before the generation phase's tokens) and not streamed; the generation model exports transfer metrics; a client
+that cancels during the context phase gets the context side's region freed at once (not at its hold deadline).
 """
 
 from __future__ import annotations
+
+import os
+import threading
+import time
 
 import pytest
 
@@ -20,22 +31,46 @@ PROMPTS = ["To be, or not to be", "the slings and arrows of outrageous fortune",
 MAX_TOKENS = 12
 
 
+TOPOLOGY = os.environ.get("DHISPARSE_DISAGG_TOPOLOGY", "two")
+HOLD_S = 600.0  # the context side's hold deadline: far beyond any wait below, so no region is freed by expiry
+BLOCKERS = 4  # context requests queued in front of the one that is cancelled during its context phase
+
+
 @pytest.fixture(scope="module")
-def disaggregated(tiny_engine, tmp_path_factory):
+def deployment(tiny_engine, tmp_path_factory):
+    """``(generation server, context server)``: two servers, or the same one twice (``TOPOLOGY = one``)."""
     from conftest import POOL_BYTES, ServedEngine, start_triton
 
-    from dhisparse.disagg.repository import fill_disaggregated_repository
+    from dhisparse.disagg.repository import DisaggregatedOptions, fill_disaggregated_repository
     from dhisparse.serving.repository import RepositorySpec
 
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES}
     spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100)
-    config, server, models = start_triton(tmp_path_factory.mktemp("triton-disagg"),
-                                          lambda repo: fill_disaggregated_repository(spec, repo))
-    assert set(models) >= {"context", "generation", "disaggregated_serving_bls", "ensemble"}
+    servers = []
+
+    def serve(name: str, options: DisaggregatedOptions) -> ServedEngine:
+        config, server, models = start_triton(tmp_path_factory.mktemp(name),
+                                              lambda repo: fill_disaggregated_repository(spec, repo, None, options))
+        servers.append(server)
+        assert set(models) == set(options.models(spec.has_tokenizer))
+        return ServedEngine(tiny_engine, overrides, config.http_url, config.grpc_url, config.metrics_url, server)
+
     try:
-        yield ServedEngine(tiny_engine, overrides, config.http_url, config.grpc_url, config.metrics_url, server)
+        if TOPOLOGY == "one":
+            both = serve("triton-disagg", DisaggregatedOptions("both", hold_timeout_s=HOLD_S))
+            yield both, both
+        else:
+            context = serve("triton-context", DisaggregatedOptions("context", hold_timeout_s=HOLD_S))
+            generation = serve("triton-generation", DisaggregatedOptions("generation", context.grpc_url))
+            yield generation, context
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def disaggregated(deployment):
+    return deployment[0]
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +156,106 @@ def test_cancelled_orchestrator_stream_frees_the_generation_side(disaggregated, 
     assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
     assert after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0) == 1.0
     assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG
+
+
+def _context_regions(context_server) -> dict[str, float]:
+    metrics = context_server.client().metrics()
+    return {k: metrics.get(k, 0.0) for k in ("regions_held", "regions_published", "regions_released",
+                                             "regions_expired", "regions_cancelled")}
+
+
+def _wait_regions(context_server, done, timeout_s: float = 60.0) -> dict[str, float]:
+    """Poll the context server's region gauges until ``done(regions)`` (a hang guard, far below HOLD_S)."""
+    deadline = time.monotonic() + timeout_s
+    while not done(regions := _context_regions(context_server)):
+        assert time.monotonic() < deadline, f"context regions never settled: {regions}"
+        time.sleep(0.05)
+    return regions
+
+
+def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
+    """The control request the orchestrator sends on a cancellation: `cancel_request_id` frees that region now."""
+    import numpy as np
+
+    from dhisparse.disagg.context_client import RemoteContext
+    from dhisparse.disagg.params import ContextPhaseParams
+
+    _, context_server = deployment
+    ids, tokens, _ = expected
+    _wait_regions(context_server, lambda r: r["regions_held"] == 0)
+    context = RemoteContext(context_server.grpc_url)
+    try:
+        arrays = {"input_ids": np.array([ids[0]], dtype=np.int32),
+                  "input_lengths": np.array([[len(ids[0])]], dtype=np.int32),
+                  "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
+                  "request_type": np.array([[b"context_only"]], dtype=object)}
+        first, params = context.call(arrays, "probe-cancel")
+        assert first == tokens[0][0]
+        assert ContextPhaseParams.from_bytes(params).request_key.endswith("/probe-cancel")
+        held = _wait_regions(context_server, lambda r: r["regions_held"] == 1)  # nobody reads it: it stays held
+        freed = context.cancel("probe-cancel")  # freed by the control request, synchronously
+        assert freed == 1, f"cancel freed {freed} regions; before it: {held}"
+        assert context.cancel("probe-cancel") == 0  # nothing left to free
+    finally:
+        context.close()
+    after = _wait_regions(context_server, lambda r: r["regions_held"] == 0)
+    assert after["regions_cancelled"] - held["regions_cancelled"] == 1, (held, after)
+    assert after["regions_expired"] == held["regions_expired"], (held, after)
+
+
+def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer):
+    """A client cancels while its context phase runs (queued behind long prefills sent straight to `context`): the
+    orchestrator frees its region at once with a `cancel_request_id` control request (not at the 600 s hold
+    deadline), nothing expires, the generation side never took the request and returns to idle."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from idle import IDLE, wait_idle
+
+    from dhisparse.disagg.context_client import RemoteContext
+
+    generation_server, context_server = deployment
+    before = _wait_regions(context_server, lambda r: r["regions_held"] == 0)
+    generation_before = generation_server.client().metrics()
+    long_prompt = tokenizer.encode(" ".join(["the slings and arrows of outrageous fortune"] * 40)).ids[:440]
+    arrays = {"input_ids": np.array([long_prompt], dtype=np.int32),
+              "input_lengths": np.array([[len(long_prompt)]], dtype=np.int32),
+              "request_output_len": np.array([[8]], dtype=np.int32)}
+    context = RemoteContext(context_server.grpc_url)
+    blockers = [threading.Thread(target=context.call, args=({**arrays, "request_type": np.array([[b"context_only"]],
+                                                                                                 dtype=object)},
+                                                            f"blocker-{i}")) for i in range(BLOCKERS)]
+    for thread in blockers:  # long prefills in front of the cancelled request's context phase
+        thread.start()
+    stats = grpcclient.InferenceServerClient(generation_server.grpc_url)
+
+    def orchestrated() -> int:
+        return int(stats.get_inference_statistics("disaggregated_serving_bls").model_stats[0].inference_count)
+
+    started = orchestrated()
+    client = grpcclient.InferenceServerClient(generation_server.grpc_url)
+    client.start_stream(callback=lambda result, error: None)
+    inputs = []
+    for name, value in {**arrays, "streaming": np.array([[True]])}.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "BOOL" if value.dtype == bool else "INT32")
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    client.async_stream_infer("disaggregated_serving_bls", inputs, request_id="cancelled-in-context-phase")
+    deadline = time.monotonic() + 30
+    while orchestrated() == started:  # the orchestrator has it: its context phase is queued behind the blockers
+        assert time.monotonic() < deadline, "the orchestrator never received the request"
+        time.sleep(0.005)
+    client.stop_stream(cancel_requests=True)
+    for thread in blockers:
+        thread.join(120)
+    published = _wait_regions(context_server, lambda r: r["regions_published"] - before["regions_published"]
+                              == BLOCKERS + 1)
+    for i in range(BLOCKERS):  # nobody reads the blockers' regions: free them the same way
+        assert context.cancel(f"blocker-{i}") == 1
+    context.close()
+    client.close()
+    after = _wait_regions(context_server, lambda r: r["regions_held"] == 0)
+    assert after["regions_expired"] == before["regions_expired"]
+    assert after["regions_released"] == published["regions_released"] == before["regions_released"]  # never read
+    assert after["regions_cancelled"] - before["regions_cancelled"] == BLOCKERS + 1
+    assert wait_idle(generation_server.client()) == IDLE
+    assert generation_server.client().metrics().get("transfers", 0.0) == generation_before.get("transfers", 0.0)

@@ -21,8 +21,11 @@ A transfer that fails or times out ends that request with an error (finish reaso
 in :attr:`DecodeEngine.errors`) and frees what the admission reserved; cancelling a request that waits for
 admission tells the prefill side to release its region.
 
-Transfers are synchronous within the admission pass (the host store may grow, i.e. move, at the next
-admission, so a transfer into it completes before the next ``try_admit``).
+Transfers are asynchronous: admission posts the READ (the request then holds its admission and a batch slot,
+in :attr:`DecodeEngine.transferring`) and every later step polls it, so the running requests keep decoding while
+histories arrive; a completed READ is imported and its request joins the batch with its first token. The host
+store's chunks never move, so the pages a READ writes stay where the admission put them. A request cancelled
+while its READ is in flight keeps its memory until the READ ended (NIXL may still write into it), then is freed.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 
 from dhisparse.disagg.loading import load_engine_parts
-from dhisparse.disagg.nixl_transfer import NixlImporter, TransferError
+from dhisparse.disagg.nixl_transfer import NixlImporter, PendingRead, TransferError
 from dhisparse.disagg.params import ContextPhaseParams
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
@@ -55,6 +58,9 @@ class DecodeEngine(LLMEngine):
         self.importer = importer
         self.imports: dict[str, ContextPhaseParams] = {}
         self.errors: dict[str, str] = {}
+        # admitted requests whose READ is in flight: request id -> (request, READ, meta offset, host rows or None)
+        self.transferring: dict[str, tuple[Request, PendingRead, int, torch.Tensor | None]] = {}
+        self._abandoned: dict[str, str] = {}  # request id -> abort reason, for transferring requests cancelled
 
     # ------------------------------------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -87,16 +93,25 @@ class DecodeEngine(LLMEngine):
         self.counters["requests_added"] += 1
         return request_id
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
         req = self.requests.get(request_id)
+        if request_id in self.transferring:  # NIXL may still write into its pages: free them once the READ ended
+            if request_id in self._abandoned or req is None:
+                return False
+            self._abandoned[request_id] = reason
+            return True
         context = self.imports.pop(request_id, None)
         if req is not None and req.status is Status.WAITING and context is not None:
             self.importer.release_remote(context)  # never pulled: the prefill side may free its region now
-        return super().abort_request(request_id)
+        return super().abort_request(request_id, reason)
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self.transferring)
 
     # ----------------------------------------------------------------------------------------- admission
     def _admit_and_prefill(self, updates: list[RequestUpdate]) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_batch_size:
+        completed = self._poll_transfers(updates)
+        while self.waiting and len(self.running) + len(self.transferring) < self.cfg.max_batch_size:
             req = self.waiting[0]
             if not self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens):
                 if not req.counters.get("waited"):
@@ -108,10 +123,42 @@ class DecodeEngine(LLMEngine):
             req.admitted_time = time.perf_counter()
             context = self.imports.pop(req.request_id)
             try:
-                features = self._pull(req, context)
+                self._post(req, context)
             except (TransferError, ValueError) as error:  # ValueError: params that do not fit this engine's layout
                 self._fail_import(req, str(error), updates)
+        completed += self._poll_transfers(updates)
+        if not completed and not self.running and self.transferring:
+            time.sleep(0.0002)  # only READs in flight: do not spin the step loop at full speed
+
+    def _poll_transfers(self, updates: list[RequestUpdate]) -> int:
+        """Import the histories whose READ completed (their requests join the batch); fail those whose READ failed
+        or timed out; free the cancelled ones. Returns how many READs ended."""
+        ended = 0
+        for request_id, (req, pending, meta_start, rows_at) in list(self.transferring.items()):
+            try:
+                if not self.importer.check(pending):
+                    continue
+                error = None
+            except TransferError as failure:
+                error = str(failure)
+            ended += 1
+            del self.transferring[request_id]
+            self.importer.finish(pending)
+            reason = self._abandoned.pop(request_id, None)
+            if reason is not None:  # cancelled while the READ was in flight: nothing more to do than free it
+                self._finish(req, reason)
+                if reason == "abort":
+                    self.counters["requests_aborted"] += 1
                 continue
+            if error is not None:
+                self._fail_import(req, error, updates)
+                continue
+            try:
+                features = self._complete(req, pending, meta_start, rows_at)
+            except (TransferError, ValueError) as failure:
+                self._fail_import(req, str(failure), updates)
+                continue
+            context = pending.context
             req.status = Status.RUNNING
             if self.spec is not None:
                 assert features is not None
@@ -124,20 +171,22 @@ class DecodeEngine(LLMEngine):
             self.counters["context_prefill_seconds"] += context.prefill_s
             self.running.append(req)
             self._append_tokens(req, [context.first_token], updates)
+        return ended
 
-    def _pull(self, req: Request, context: ContextPhaseParams) -> torch.Tensor | None:
-        """READ the request's history and import it into the KV manager; returns the drafter features."""
+    def _post(self, req: Request, context: ContextPhaseParams) -> None:
+        """Post the READ of the request's history: prompt rows straight into the host pages its admission
+        reserved, indexer keys and drafter features (everything, without a host store) into a buffer."""
         layout = context.layout
         host_rows_of = getattr(self.kv, "history_host_rows", None)
         rows_at = host_rows_of(req.request_id) if host_rows_of is not None else None
         meta_start = 0 if rows_at is None else layout.meta_offset
-        scratch = self.importer.scratch(layout.total_bytes - meta_start)
+        buffer = self.importer.buffer(layout.total_bytes - meta_start)
         local, remote, lengths = [], [], []
         if layout.total_bytes > meta_start:
-            local.append(np.array([scratch.data_ptr()]))
+            local.append(np.array([buffer.data_ptr()]))
             remote.append(np.array([meta_start]))
             lengths.append(np.array([layout.total_bytes - meta_start]))
-        tensors = [scratch]
+        persistent: list[torch.Tensor] = []
         if rows_at is not None:
             host = self.kv.host.rows  # ChunkedRows: fixed chunks that never move; a page lies in one chunk
             if host.dtype.itemsize != layout.element_bytes or host.row_dim != layout.row_dim:
@@ -153,23 +202,40 @@ class DecodeEngine(LLMEngine):
             local.append((bases[chunk] + (first - chunk * host.chunk_rows) * layout.row_bytes).reshape(-1).numpy())
             remote.append(((sources * layout.prompt_len + starts) * layout.row_bytes).reshape(-1).numpy())
             lengths.append((run * layout.row_bytes).expand(layout.num_sources, -1).reshape(-1).numpy())
-            tensors.extend(host.chunks)
-        started = time.perf_counter()
-        self.importer.read(context, tensors, np.concatenate(local), np.concatenate(remote), np.concatenate(lengths))
-        seconds = time.perf_counter() - started
+            persistent.extend(host.chunks)
+        pending = self.importer.post(context, persistent, [buffer], np.concatenate(local), np.concatenate(remote),
+                                     np.concatenate(lengths))
+        self.transferring[req.request_id] = (req, pending, meta_start, rows_at)
+
+    def _complete(self, req: Request, pending: PendingRead, meta_start: int, rows_at: torch.Tensor | None
+                  ) -> torch.Tensor | None:
+        """Import a completed READ into the KV manager; returns the drafter features."""
+        layout = pending.context.layout
+        seconds = time.monotonic() - pending.started
         req.counters["disagg_transfer_s"] = seconds
         req.counters["disagg_transfer_bytes"] = float(layout.total_bytes)
         self.counters["transfer_seconds"] += seconds
         self.counters["transfer_bytes"] += layout.total_bytes
         self.counters["transfers"] += 1
-        keys = {k: v.clone() for k, v in layout.unpack_keys(scratch, meta_start).items()}
-        features = layout.unpack_features(scratch, meta_start)
+        buffer = pending.buffers[0]
+        keys = {k: v.clone() for k, v in layout.unpack_keys(buffer, meta_start).items()}
+        features = layout.unpack_features(buffer, meta_start)
         features = features.clone() if features is not None else None
         if rows_at is None:
-            self.kv.import_prompt(req.request_id, layout.unpack_rows(scratch).clone(), keys)
+            self.kv.import_prompt(req.request_id, layout.unpack_rows(buffer).clone(), keys)
         else:
             self.kv.import_host_history(req.request_id, keys)
         return features
+
+    def _die(self, reason: str, updates: list[RequestUpdate]) -> None:
+        """The engine stops: end the READs in flight too (their requests end with the engine's error)."""
+        for request_id, (req, pending, _, _) in list(self.transferring.items()):
+            self.importer.finish(pending)
+            if request_id not in self._abandoned:
+                self.waiting.append(req)  # LLMEngine._die ends every waiting request with the error
+        self.transferring.clear()
+        self._abandoned.clear()
+        super()._die(reason, updates)
 
     def _fail_import(self, req: Request, message: str, updates: list[RequestUpdate]) -> None:
         self.errors[req.request_id] = message

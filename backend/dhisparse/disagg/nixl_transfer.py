@@ -3,11 +3,15 @@
 - :class:`NixlExporter` (prefill side) registers each prompt's region with its agent and holds it until
   the decode side's READ completes: NIXL delivers the READ's notification message (the request key) to
   this agent (``get_new_notifs``), and :meth:`NixlExporter.poll` then deregisters and frees the region.
-  A region nobody reads is freed after ``hold_timeout_s`` (decode side gone, request cancelled elsewhere).
+  A region whose request was cancelled before the pull is freed at once by :meth:`NixlExporter.cancel` (the
+  context model's ``cancel_request_id`` control request, sent by the orchestrator), or by a NIXL notification the
+  decode side sends without reading (:meth:`NixlImporter.release_remote`). A region nobody reads or cancels is
+  freed after ``hold_timeout_s`` (decode side gone).
 - :class:`NixlImporter` (decode side) loads the exporter's agent metadata (shipped inside the context
-  phase params: ``get_partial_agent_metadata`` / ``add_remote_agent``), keeps the host store and a scratch
-  buffer registered (re-registering when the host store grows), and performs one READ per request with
-  the request key as notification, waiting until it is done, failed, or ``timeout_s`` has passed.
+  phase params: ``get_partial_agent_metadata`` / ``add_remote_agent``), keeps the host store's chunks
+  registered (they never move) and registers a buffer per READ for the metadata part; one READ per request,
+  with the request key as notification, posted and then polled (the decode engine steps other requests
+  meanwhile) until it is done, failed, or ``timeout_s`` has passed.
 
 Failures raise :class:`TransferError` with the reason; nothing stays registered for a failed READ on the
 decode side, and the exporter frees its region on the notification or the deadline, whichever first.
@@ -16,6 +20,7 @@ decode side, and the exporter frees its region on the notification or the deadli
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,7 +63,7 @@ class NixlExporter:
         self._arenas: list[tuple[torch.Tensor, Any, bytes, ArenaRanges]] = []  # buffer, registration, metadata
         self._held: dict[str, tuple[int, int, int, float]] = {}  # key -> (arena, offset, bytes, deadline)
         self.counters = {"regions_published": 0.0, "regions_released": 0.0, "regions_expired": 0.0,
-                         "bytes_published": 0.0}
+                         "regions_cancelled": 0.0, "bytes_published": 0.0}
 
     def _new_arena(self, nbytes: int) -> int:
         buffer = torch.zeros(max(self.arena_bytes, 2 * nbytes), dtype=torch.uint8)
@@ -108,6 +113,15 @@ class NixlExporter:
             released.append(key)
         return released
 
+    def cancel(self, suffix: str) -> list[str]:
+        """Free at once the held regions whose key ends with ``/suffix`` (the request was cancelled before the
+        generation side pulled it); returns their keys. Counted as ``regions_cancelled``."""
+        keys = [key for key in self._held if key.endswith(f"/{suffix}")]
+        for key in keys:
+            self._release(key)
+            self.counters["regions_cancelled"] += 1
+        return keys
+
     def _release(self, key: str) -> bool:
         held = self._held.pop(key, None)
         if held is None:
@@ -133,8 +147,24 @@ class NixlExporter:
         self._arenas.clear()
 
 
+@dataclass
+class PendingRead:
+    """A READ in flight: its NIXL handle, the local buffers it writes, and its deadline."""
+
+    context: ContextPhaseParams
+    handle: Any
+    deadline: float
+    started: float
+    buffers: list[torch.Tensor]  # per-transfer buffers (registered for this READ only)
+
+
 class NixlImporter:
-    """Decode side: READ regions of remote exporters into registered local memory (see module docstring)."""
+    """Decode side: READ regions of remote exporters into registered local memory (see module docstring).
+
+    A READ is posted (:meth:`post`), polled (:meth:`check`) and finished (:meth:`finish`), so the decode engine
+    can keep stepping other requests while it is in flight; :meth:`read` does the three in one call. Persistent
+    memory (the host store's chunks, which never move) is registered once and stays registered; per-transfer
+    buffers (:meth:`buffer`) are registered for one READ and deregistered when it is finished."""
 
     def __init__(self, name: str, timeout_s: float = 30.0) -> None:
         self.name = name
@@ -142,29 +172,34 @@ class NixlImporter:
         self.agent = _agent(name)
         self._remotes: dict[str, set[bytes]] = {}  # agent name -> the (partial) metadata loaded for it
         self._registered: dict[int, tuple[torch.Tensor, Any]] = {}  # data_ptr -> (tensor, registration)
-        self._scratch = torch.zeros(0, dtype=torch.uint8)
 
-    def scratch(self, nbytes: int) -> torch.Tensor:
-        """A registered uint8 buffer of at least ``nbytes`` (reused; its content lives until the next call)."""
-        if self._scratch.numel() < max(nbytes, 1):
-            self._scratch = torch.zeros(max(nbytes, 4096, 2 * self._scratch.numel()), dtype=torch.uint8)
-        return self._scratch[:nbytes]
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A fresh uint8 buffer of ``nbytes`` for one READ (registered when posted, deregistered by finish)."""
+        return torch.zeros(max(nbytes, 1), dtype=torch.uint8)[:nbytes]
 
-    def _ensure_registered(self, tensors: list[torch.Tensor]) -> None:
-        """Register the storage behind each tensor once; drop registrations of storage no longer wanted (the host
-        store grew, i.e. moved, or the scratch buffer was replaced)."""
-        bases = {}
+    @staticmethod
+    def _base(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor._base is None else tensor._base
+
+    def _register(self, tensors: list[torch.Tensor]) -> None:
+        """Register the storage behind each tensor once (no-op for storage already registered)."""
         for tensor in tensors:
-            base = tensor if tensor._base is None else tensor._base
-            bases[base.data_ptr()] = base
-        for ptr in [p for p, (t, _) in self._registered.items() if bases.get(p) is not t]:
-            self.agent.deregister_memory(self._registered.pop(ptr)[1])
-        for ptr, base in bases.items():
-            if ptr not in self._registered:
-                registration = self.agent.register_memory(base)
-                if not registration:
-                    raise TransferError("could not register decode-side memory with NIXL")
-                self._registered[ptr] = (base, registration)
+            base = self._base(tensor)
+            known = self._registered.get(base.data_ptr())
+            if known is not None and known[0] is base:
+                continue
+            if known is not None:  # the storage at this address was replaced
+                self.agent.deregister_memory(self._registered.pop(base.data_ptr())[1])
+            registration = self.agent.register_memory(base)
+            if not registration:
+                raise TransferError("could not register decode-side memory with NIXL")
+            self._registered[base.data_ptr()] = (base, registration)
+
+    def _deregister(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            known = self._registered.get(self._base(tensor).data_ptr())
+            if known is not None and known[0] is self._base(tensor):
+                self.agent.deregister_memory(self._registered.pop(self._base(tensor).data_ptr())[1])
 
     def _remote(self, context: ContextPhaseParams) -> str:
         """Load the exporter's partial metadata of the region's arena once (NIXL merges partial metadata into
@@ -180,14 +215,16 @@ class NixlImporter:
         self._remotes.setdefault(name, set()).add(context.agent_metadata)
         return name
 
-    def read(self, context: ContextPhaseParams, tensors: list[torch.Tensor], local_addrs: np.ndarray,
-             remote_offsets: np.ndarray, lengths: np.ndarray) -> None:
-        """READ ``lengths[i]`` bytes at region offset ``remote_offsets[i]`` into local address ``local_addrs[i]``
-        (inside ``tensors``, which get registered), notifying the exporter with the request key when done."""
+    def post(self, context: ContextPhaseParams, persistent: list[torch.Tensor], buffers: list[torch.Tensor],
+             local_addrs: np.ndarray, remote_offsets: np.ndarray, lengths: np.ndarray) -> PendingRead:
+        """Start a READ of ``lengths[i]`` bytes at region offset ``remote_offsets[i]`` into local address
+        ``local_addrs[i]`` (inside ``persistent`` or ``buffers``, which get registered), notifying the exporter
+        with the request key when done. Raises TransferError when NIXL refuses it (nothing stays posted)."""
         if np.any(remote_offsets + lengths > context.layout.total_bytes) or np.any(remote_offsets < 0):
             raise TransferError(f"transfer of {context.request_key!r}: a descriptor lies outside the region")
+        started = time.monotonic()
         try:
-            self._ensure_registered(tensors)
+            self._register([*persistent, *buffers])
             remote_name = self._remote(context)
             count = len(lengths)
             zeros = np.zeros(count, dtype=np.int64)
@@ -197,39 +234,66 @@ class NixlImporter:
                                                          lengths.astype(np.int64), zeros], axis=1), "DRAM")
             handle = self.agent.initialize_xfer("READ", local, remote, remote_name, context.request_key.encode())
         except TransferError:
+            self._deregister(buffers)
             raise
         except Exception as error:
+            self._deregister(buffers)
             self._drop_remote(context.agent_name)
             raise TransferError(f"transfer of {context.request_key!r} could not start: {error}") from error
-        try:
-            self._wait(context, handle)
-        finally:
-            try:
-                self.agent.release_xfer_handle(handle)
-            except Exception:
-                pass  # a failed transfer's handle may already be gone; nothing else to free
-
-    def _wait(self, context: ContextPhaseParams, handle: Any) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        pending = PendingRead(context, handle, started + self.timeout_s, started, list(buffers))
         try:
             state = self.agent.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TransferError(f"transfer of {context.request_key!r} from {context.agent_name!r} timed out "
-                                        f"after {self.timeout_s:g} s")
-                time.sleep(0.0002)
-                state = self.agent.check_xfer_state(handle)
-        except TransferError:
+        except Exception as error:
+            self.finish(pending)
             self._drop_remote(context.agent_name)
-            raise
+            raise TransferError(f"transfer of {context.request_key!r} from {context.agent_name!r} failed: "
+                                f"{error}") from error
+        if state not in ("PROC", "DONE"):
+            self.finish(pending)
+            self._drop_remote(context.agent_name)
+            raise TransferError(f"transfer of {context.request_key!r} from {context.agent_name!r} failed "
+                                f"(NIXL state {state})")
+        return pending
+
+    def check(self, pending: PendingRead) -> bool:
+        """True once the READ is done; False while in flight. Raises TransferError when it failed or its deadline
+        passed (call :meth:`finish` either way)."""
+        context = pending.context
+        try:
+            state = self.agent.check_xfer_state(pending.handle)
         except Exception as error:
             self._drop_remote(context.agent_name)
             raise TransferError(f"transfer of {context.request_key!r} from {context.agent_name!r} failed: "
                                 f"{error}") from error
-        if state != "DONE":
+        if state == "DONE":
+            return True
+        if state != "PROC":
             self._drop_remote(context.agent_name)
             raise TransferError(f"transfer of {context.request_key!r} from {context.agent_name!r} failed "
                                 f"(NIXL state {state})")
+        if time.monotonic() > pending.deadline:
+            self._drop_remote(context.agent_name)
+            raise TransferError(f"transfer of {context.request_key!r} from {context.agent_name!r} timed out "
+                                f"after {self.timeout_s:g} s")
+        return False
+
+    def finish(self, pending: PendingRead) -> None:
+        """Release the READ's handle and its per-transfer buffers' registrations (their content stays readable)."""
+        try:
+            self.agent.release_xfer_handle(pending.handle)
+        except Exception:
+            pass  # a failed transfer's handle may already be gone; nothing else to free
+        self._deregister(pending.buffers)
+
+    def read(self, context: ContextPhaseParams, persistent: list[torch.Tensor], buffers: list[torch.Tensor],
+             local_addrs: np.ndarray, remote_offsets: np.ndarray, lengths: np.ndarray) -> None:
+        """:meth:`post`, wait until done (or failed, or timed out), :meth:`finish`."""
+        pending = self.post(context, persistent, buffers, local_addrs, remote_offsets, lengths)
+        try:
+            while not self.check(pending):
+                time.sleep(0.0002)
+        finally:
+            self.finish(pending)
 
     def _drop_remote(self, name: str) -> None:
         if self._remotes.pop(name, None) is not None:

@@ -4,11 +4,18 @@ Models: `context` and `generation` (each its own Python-backend stub process, i.
 the orchestrator `disaggregated_serving_bls`; with a tokenizer also `preprocessing`, `postprocessing` and the
 `ensemble`, whose LLM step then calls the orchestrator instead of `dhisparse`, so clients keep `text_input`,
 `max_tokens`, `stream`, … → `text_output` unchanged.
+
+Roles (:class:`DisaggregatedOptions`), so that the two engine processes can run on two hosts: ``both`` (one server:
+every model above), ``context`` (a server that serves only `context`), ``generation`` (`generation`, the orchestrator
+and the text models; the orchestrator calls the `context` model of the server at ``context_url`` over gRPC). The
+NIXL options become model parameters (``nixl.*``) of `context` and `generation`, ``context_url`` one of the
+orchestrator.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from dhisparse.serving.repository import LLM_MODEL, RepositorySpec, fill_model_repository
@@ -17,11 +24,76 @@ DISAGGREGATED_MODELS = ("context", "generation", "disaggregated_serving_bls")
 ORCHESTRATOR = "disaggregated_serving_bls"
 
 
-def fill_disaggregated_repository(spec: RepositorySpec, output_dir: Path, templates_dir: Path | None = None
-                                  ) -> list[str]:
-    """Write the disaggregated repository to ``output_dir``; returns the model names in it."""
-    text = ("preprocessing", "postprocessing", "ensemble") if spec.has_tokenizer else ()
-    models = fill_model_repository(spec, output_dir, templates_dir, (*DISAGGREGATED_MODELS, *text))
+ROLES = ("both", "context", "generation")
+
+
+@dataclass(frozen=True)
+class DisaggregatedOptions:
+    """Which models a server runs and how its roles find each other.
+
+    Attributes:
+        role: ``both``, ``context`` or ``generation`` (see the module docstring).
+        context_url: gRPC ``HOST:PORT`` of the context server; required for ``generation``, refused otherwise.
+        nixl_agent_name: NIXL agent name prefix (``<prefix>-context`` / ``<prefix>-generation``); agents that talk
+            to each other must have distinct names, so give each server of a fleet its own prefix.
+        transfer_timeout_s: the generation side's limit for one READ.
+        hold_timeout_s: how long the context side holds a region nobody reads or cancels.
+    """
+
+    role: str = "both"
+    context_url: str = ""
+    nixl_agent_name: str = "dhisparse"
+    transfer_timeout_s: float = 30.0
+    hold_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role == "generation" and not self.context_url:
+            raise ValueError("context_url (HOST:PORT of the context server's gRPC endpoint) is required for the "
+                             "generation role")
+        if self.context_url and self.role != "generation":
+            raise ValueError(f"context_url is only for the generation role, not {self.role!r}")
+        if self.context_url and not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", self.context_url):
+            raise ValueError(f"context_url must be HOST:PORT, got {self.context_url!r}")
+        if not re.fullmatch(r"[\w.-]+", self.nixl_agent_name):
+            raise ValueError(f"nixl_agent_name must be letters, digits, '.', '_' or '-', got {self.nixl_agent_name!r}")
+        for name in ("transfer_timeout_s", "hold_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    def models(self, has_tokenizer: bool) -> tuple[str, ...]:
+        if self.role == "context":
+            return ("context",)
+        text = ("preprocessing", "postprocessing", "ensemble") if has_tokenizer else ()
+        engines = DISAGGREGATED_MODELS if self.role == "both" else ("generation", ORCHESTRATOR)
+        return (*engines, *text)
+
+
+def set_parameter(config: Path, key: str, value: str) -> None:
+    """Set model parameter ``key`` of a filled ``config.pbtxt`` (replace its line, or append one)."""
+    text = config.read_text()
+    line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+    pattern = re.compile(rf'^parameters \{{ key: "{re.escape(key)}" value: \{{ string_value: "[^"]*" \}} \}}$', re.M)
+    text, count = pattern.subn(lambda _: line, text)
+    config.write_text(text if count else text.rstrip("\n") + "\n" + line + "\n")
+
+
+def fill_disaggregated_repository(spec: RepositorySpec, output_dir: Path, templates_dir: Path | None = None,
+                                  options: DisaggregatedOptions | None = None) -> list[str]:
+    """Write the disaggregated repository (the models of ``options.role``) to ``output_dir``; returns their names."""
+    options = options or DisaggregatedOptions()
+    models = fill_model_repository(spec, output_dir, templates_dir, options.models(spec.has_tokenizer))
+    if "context" in models:
+        config = output_dir / "context" / "config.pbtxt"
+        set_parameter(config, "nixl.agent_name", f"{options.nixl_agent_name}-context")
+        set_parameter(config, "nixl.hold_timeout_s", f"{options.hold_timeout_s:g}")
+    if "generation" in models:
+        config = output_dir / "generation" / "config.pbtxt"
+        set_parameter(config, "nixl.agent_name", f"{options.nixl_agent_name}-generation")
+        set_parameter(config, "nixl.transfer_timeout_s", f"{options.transfer_timeout_s:g}")
+    if ORCHESTRATOR in models:
+        set_parameter(output_dir / ORCHESTRATOR / "config.pbtxt", "context_url", options.context_url)
     if "ensemble" in models:
         config = output_dir / "ensemble" / "config.pbtxt"
         before = config.read_text()

@@ -10,10 +10,16 @@ of the LLM model. Per request, on its own thread:
 3. call `generation` (decoupled) with the same inputs, ``request_type = generation_only`` and that tensor, and
    forward its tokens; its first update repeats the first token, which is dropped when it was already sent.
 
+The `context` model is reached through a :class:`ContextClient`: in the same server (BLS request), or on another
+host over Triton gRPC when the model is configured with a ``context_url`` (``dhisparse-serve --role generation
+--context-url HOST:PORT``); the history itself always moves by NIXL READ between the two engine processes.
+
 Errors of either phase reach the client as an error response. A client that cancels (or disconnects) is noticed
-between responses: before the generation phase nothing more is called (the prefill side frees the region at its
-hold deadline); during it a control request (``cancel_request_id``) aborts the generation request, which frees its
-KV memory.
+between responses. Cancelled during the context phase (or a generation phase that fails before it pulled the
+history): the orchestrator sends `context` a control request (``cancel_request_id``) that frees the prompt's
+region at once, instead of at its hold deadline. Cancelled during the generation phase: a control request
+(``cancel_request_id``) to `generation` aborts the generation request, which frees its KV memory (and, for a
+request still waiting for admission, tells the prefill side over NIXL to free its region).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from dhisparse.disagg.context_client import ContextClient, ContextPhaseError, LocalContext
 from dhisparse.serving.llm_request import LLM_INPUTS, output_arrays
 from dhisparse.serving.triton_tensors import error_response, request_arrays, response
 
@@ -32,8 +39,9 @@ INPUTS = tuple(name for name in LLM_INPUTS if name != "cancel_request_id")
 
 
 class DisaggregatedBLS:
-    def __init__(self, pb: Any, context_model: str = "context", generation_model: str = "generation") -> None:
-        self._pb, self._context, self._generation = pb, context_model, generation_model
+    def __init__(self, pb: Any, context: ContextClient | None = None, generation_model: str = "generation") -> None:
+        self._pb, self._generation = pb, generation_model
+        self._context: ContextClient = context if context is not None else LocalContext(pb)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -50,7 +58,9 @@ class DisaggregatedBLS:
 
     def _cancel(self, target: str) -> None:
         # Its own request id: a control request sharing the target's id stalls the target's stream.
-        control = self._request(self._generation, {"cancel_request_id": np.array([[target.encode()]], dtype=object)},
+        # input_lengths: a required input of `generation`; a control request carries no prompt.
+        control = self._request(self._generation, {"cancel_request_id": np.array([[target.encode()]], dtype=object),
+                                                   "input_lengths": np.array([[0]], dtype=np.int32)},
                                 f"{target}-cancel", ["output_ids", "sequence_length"])
         for _ in control.exec(decoupled=True):
             pass
@@ -58,20 +68,26 @@ class DisaggregatedBLS:
     def _cancelled_error(self) -> Any:
         return self._pb.TritonError("request cancelled by the client", self._pb.TritonError.CANCELLED)
 
+    def _release_context(self, context_id: str) -> None:
+        try:
+            self._context.cancel(context_id)
+        except Exception:
+            pass  # the context side frees the region at its hold deadline anyway
+
     def _run(self, inputs: dict[str, np.ndarray], sender: Any) -> None:
         pb, final = self._pb, self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         request_id = f"disagg-{self._prefix}-{next(self._ids)}"
+        context_id = f"{request_id}-ctx"
         streaming = bool(np.asarray(inputs.get("streaming", np.array([[False]]))).reshape(-1)[0])
+        published = pulled = False  # a region holds the history / the generation side has taken it
         try:
             context_inputs = {**inputs, "request_type": np.array([[b"context_only"]], dtype=object)}
-            answer = self._request(self._context, context_inputs, f"{request_id}-ctx",
-                                   ["output_ids", "sequence_length", "context_phase_params"]).exec()
-            if answer.has_error():
-                sender.send(error_response(pb, RuntimeError(f"context phase: {answer.error().message()}")),
-                            flags=final)
+            try:
+                first, params = self._context.call(context_inputs, context_id)
+            except ContextPhaseError as error:
+                sender.send(error_response(pb, RuntimeError(f"context phase: {error}")), flags=final)
                 return
-            first = int(pb.get_output_tensor_by_name(answer, "output_ids").as_numpy().reshape(-1)[0])
-            params = pb.get_output_tensor_by_name(answer, "context_phase_params").as_numpy()
+            published = True
             if sender.is_cancelled():
                 sender.send(error_response(pb, self._cancelled_error()), flags=final)
                 return
@@ -95,6 +111,7 @@ class DisaggregatedBLS:
                 output = pb.get_output_tensor_by_name(inner, "output_ids")
                 if output is None:
                     continue
+                pulled = True  # the generation side's first update follows its import
                 length = int(pb.get_output_tensor_by_name(inner, "sequence_length").as_numpy().reshape(-1)[0])
                 chunk = [int(t) for t in output.as_numpy().reshape(-1)[:length]]
                 if skip_first and chunk:
@@ -112,3 +129,6 @@ class DisaggregatedBLS:
                 sender.send(response(pb, output_arrays(tokens)), flags=final)
         except Exception as error:
             sender.send(error_response(pb, RuntimeError(f"request failed: {error}")), flags=final)
+        finally:
+            if published and not pulled:  # cancelled or failed before the generation side took the history
+                self._release_context(context_id)

@@ -3,7 +3,10 @@
 `execute` prefills each request (``request_type`` = ``context_only``) and answers ``output_ids`` (the first token),
 ``sequence_length`` and ``context_phase_params`` (UINT8 ``[1, N]``, :class:`ContextPhaseParams`). The release
 thread polls the NIXL exporter, which frees a region when the generation side's READ notification arrives (or its
-hold deadline passes); both touch the exporter under one lock.
+hold deadline passes); both touch the exporter under one lock. A control request carrying ``cancel_request_id``
+(the Triton request id of an earlier context request, sent by the orchestrator when its client cancelled during
+the context phase) frees that request's region at once (:meth:`ContextService.cancel`). The release thread is
+also the only one that updates the model's custom metrics (the exporter's ``regions_*`` / ``bytes_*`` counts).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -33,8 +37,10 @@ def request_type(inputs: Mapping[str, np.ndarray], default: str) -> str:
 class ContextService:
     """Serialises prefills and region releases over one :class:`PrefillService`."""
 
-    def __init__(self, service: PrefillService, poll_interval_s: float = 0.002) -> None:
+    def __init__(self, service: PrefillService, poll_interval_s: float = 0.002, metrics: Any = None,
+                 metrics_interval_s: float = 0.25) -> None:
         self.service = service
+        self._metrics, self._metrics_interval_s = metrics, metrics_interval_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._interval_s = poll_interval_s
@@ -56,10 +62,30 @@ class ContextService:
             "context_phase_params": params.to_numpy(),
         }
 
+    def cancel(self, request_id: str) -> int:
+        """Free at once the region of the context request ``request_id`` (its client cancelled before the
+        generation phase pulled it); returns how many regions were freed (0: already read, released or unknown)."""
+        with self._lock:
+            return len(self.service.exporter.cancel(request_id))
+
+    @staticmethod
+    def cancel_answer(freed: int) -> dict[str, np.ndarray]:
+        """The answer to a ``cancel_request_id`` control request: no token, ``sequence_length`` = regions freed."""
+        return {"output_ids": np.zeros((1, 1, 0), dtype=np.int32),
+                "sequence_length": np.asarray([[freed]], dtype=np.int32),
+                "context_phase_params": np.zeros((1, 0), dtype=np.uint8)}
+
     def _release_loop(self) -> None:
+        last_metrics = 0.0
         while not self._stop.wait(self._interval_s):
             with self._lock:
                 self.service.poll()
+            now = time.monotonic()
+            if self._metrics is not None and now - last_metrics >= self._metrics_interval_s:
+                last_metrics = now
+                with self._lock:
+                    stats = self.service.exporter.stats()
+                self._metrics.update(stats)
 
     def stats(self) -> dict[str, float]:
         with self._lock:

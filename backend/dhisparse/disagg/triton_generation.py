@@ -12,6 +12,12 @@ for admission, tells the prefill side to release its region); a control request 
 `disaggregated_serving_bls` when its own client cancels) does the same. ``is_cancelled()`` and final responses are
 serialised by one lock: tritonserver 2.51 crashes when ``is_cancelled()`` runs on a sender whose final response
 has gone.
+
+Faults: a request that a failed engine step ended gets an error response naming the fault. An engine that could
+not restore its invariants after a fault (``engine.dead``), or whose step raised, is *dead*: every open request
+gets an error, new requests are refused with it, and ``on_engine_dead`` is called once (the Triton model then
+unloads itself, like the co-located `dhisparse` model, so its readiness turns false and ``dhisparse-serve``
+stops the server and exits with code 3).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dhisparse.disagg.decode import DecodeEngine
 from dhisparse.disagg.params import ContextPhaseParams
+from dhisparse.errors import EngineDeadError
 from dhisparse.serving.engine_metrics import EngineMetrics
 from dhisparse.serving.llm_request import LLMRequest, output_arrays
 from dhisparse.serving.stop_sequences import StopSequenceMatcher
@@ -37,8 +45,10 @@ class GenerationService:
     """Serve imported requests from a :class:`DecodeEngine` (see the module docstring)."""
 
     def __init__(self, pb: Any, engine: DecodeEngine, metrics: EngineMetrics | None, interval_s: float = 0.25,
-                 idle_wait_s: float = 0.01) -> None:
+                 idle_wait_s: float = 0.01, on_engine_dead: Callable[[str], None] | None = None) -> None:
         self._pb, self.engine, self._metrics = pb, engine, metrics
+        self._on_engine_dead = on_engine_dead
+        self.dead: str | None = None  # why the engine stopped (None: serving)
         self._interval_s, self._idle_wait_s = interval_s, idle_wait_s
         self._ids = itertools.count()
         self._inbox: queue.Queue = queue.Queue()
@@ -57,6 +67,8 @@ class GenerationService:
     def start(self, request: LLMRequest, context: ContextPhaseParams, sender: Any, client_id: str = "") -> str:
         """Validate and queue `request`; raises InvalidRequestError (nothing queued) when the engine refuses it."""
         prompt = request.prompt_token_ids
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         self.engine.validate(prompt, request.params)
         request_id = f"gen-{next(self._ids)}"
         updates: queue.Queue = queue.Queue()
@@ -75,41 +87,64 @@ class GenerationService:
     def _run(self) -> None:
         last_metrics = 0.0
         while not self._stop.is_set():
-            while True:
-                try:
-                    message = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if message[0] == "abort":  # cancelled, or a stop sequence ended the request early
-                    if self.engine.abort_request(message[1]):
-                        self.engine.requests.pop(message[1], None)
-                    self._deliver(message[1], _END)
-                    continue
-                _, request_id, prompt, params, context = message
-                try:
-                    self.engine.add_imported_request(prompt, params, context, request_id)
-                except Exception as error:
-                    self._deliver(request_id, error)
-            if self.engine.has_unfinished():
-                for update in self.engine.step():
-                    self._deliver(update.request_id, update)
-                    if update.finished:
-                        error = self.engine.errors.pop(update.request_id, None)
-                        self._deliver(update.request_id, RuntimeError(error) if error else _END)
-                        self.engine.requests.pop(update.request_id, None)
-            else:
-                self.engine.poll_idle()
+            try:
+                last_metrics = self._turn(last_metrics)
+            except Exception as error:  # the engine thread must never die silently
+                self._die(f"{type(error).__name__}: {error}")
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
-            now = time.monotonic()
-            if now - last_metrics >= self._interval_s:
-                last_metrics = now
-                self._poll_cancelled()
-                stats = self.engine.stats()
-                with self._lock:
-                    self._stats = stats
-                if self._metrics is not None:
-                    self._metrics.update(self.stats())
+
+    def _die(self, reason: str) -> None:
+        """The engine cannot go on: end every open request with an error and report once."""
+        if self.dead is None:
+            self.dead = reason if reason.startswith("the engine stopped") else f"the engine stopped: {reason}"
+            if self._on_engine_dead is not None:
+                self._on_engine_dead(self.dead)
+        with self._lock:
+            open_requests = list(self._queues)
+        for request_id in open_requests:
+            self._deliver(request_id, EngineDeadError(self.dead))
+
+    def _turn(self, last_metrics: float) -> float:
+        """One pass of the engine thread: take new work, one engine step (or an idle poll), metrics."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if message[0] == "abort":  # cancelled, or a stop sequence ended the request early
+                if self.engine.abort_request(message[1]):
+                    self.engine.requests.pop(message[1], None)
+                self._deliver(message[1], _END)
+                continue
+            _, request_id, prompt, params, context = message
+            try:
+                self.engine.add_imported_request(prompt, params, context, request_id)
+            except Exception as error:
+                self._deliver(request_id, error)
+        if self.engine.has_unfinished():
+            for update in self.engine.step():
+                self._deliver(update.request_id, update)
+                if update.finished:
+                    error = self.engine.errors.pop(update.request_id, None) or update.error
+                    self._deliver(update.request_id, RuntimeError(error) if error else _END)
+                    self.engine.requests.pop(update.request_id, None)
+        else:
+            self.engine.poll_idle()
+            self._wake.wait(self._idle_wait_s)
+            self._wake.clear()
+        now = time.monotonic()
+        if now - last_metrics >= self._interval_s:
+            last_metrics = now
+            self._poll_cancelled()
+            stats = self.engine.stats()
+            with self._lock:
+                self._stats = stats
+            if self._metrics is not None:
+                self._metrics.update(self.stats())
+        if self.engine.dead is not None:
+            self._die(self.engine.dead)
+        return last_metrics
 
     def _poll_cancelled(self) -> None:
         with self._final_lock:  # no final response is sent while is_cancelled() runs

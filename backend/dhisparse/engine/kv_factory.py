@@ -56,8 +56,14 @@ def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max
     from dhisparse.kv import KVConfig
 
     max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings)
+    union = model_cfg.index_topk * max_query_len
+    if cfg.hot_rows and cfg.hot_rows < union and policy_named(cfg.kv_policy, "kv_policy").hot_cache:
+        # V4 has no verification staging: a block's whole union of selections must fit the hot cache
+        raise ConfigError(f"hot_rows ({cfg.hot_rows}) must hold a verification block's selections on "
+                          f"deepseek_v4, index_topk x max_query_len = {union} (V4 has no verification staging); "
+                          f"raise hot_rows or leave it 0")
     kv_cfg = KVConfig(
-        policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows or model_cfg.index_topk * max_query_len,
+        policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows or union,
         page_rows=cfg.page_rows, reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
         max_query_len=-(-max_query_len // model_cfg.compress_rate_csa), draft_ring_bytes=draft_ring_bytes,
         host_bytes=cfg.host_bytes,

@@ -8,9 +8,10 @@ What goes where:
   layer that reuses another layer's compressed KV (``kv_source_layers``) maps to that layer's source, writes
   nothing, and — when it also reuses the top-k — reuses the source's resolved location vector (same positions
   tensor ⇒ no second resolution, no second copy).
-* **Required tail** (:class:`V4RequestKV`, device, never lent): every layer's sliding-window rows, the
-  compressors' pending projections, the CSA indexer keys and HCA's entries (small: one per 128 tokens). Their
-  bytes are reserved per request (``KVConfig.model_state_bytes``), bounded by ``max_model_len``.
+* **Required tail** (a slot of a :class:`V4StatePool`, device, never lent): every layer's sliding-window rows,
+  the compressors' pending projections, the CSA indexer keys and HCA's entries (small: one per 128 tokens).
+  Their bytes are reserved per request (``KVConfig.model_state_bytes``), bounded by ``max_model_len``; the
+  running requests' tails are batched slot-indexed tensors, updated in place by each step.
 
 Positions: the hierarchy of a request counts compressed entries, not tokens — entry ``w`` of a CSA source is
 row ``w + 1`` (row 0 is a zero row, so a prompt shorter than one window still imports one row). Each decode
@@ -28,7 +29,8 @@ import torch
 from dhisparse.kv import KVConfig, KVLayout, KVManager
 from dhisparse.kv.step import StepKV
 from dhisparse.model.deepseek_v4.config import CSA, DeepseekV4Config
-from dhisparse.model.deepseek_v4.kv_state import Key, V4RequestKV, V4StepKV, state_keys
+from dhisparse.model.deepseek_v4.kv_state import Key, V4RequestKV, state_keys
+from dhisparse.model.deepseek_v4.state_pool import V4PooledStepKV, V4StatePool
 
 
 def csa_layout(cfg: DeepseekV4Config, dtype: torch.dtype) -> tuple[KVLayout, dict[int, int]]:
@@ -64,12 +66,12 @@ def entry_rows(prompt_len: int, max_new_tokens: int, rate: int) -> tuple[int, in
     return prompt_len // rate + 1, -(-max_new_tokens // rate) + 1
 
 
-class V4HierarchyStepKV(V4StepKV):
+class V4HierarchyStepKV(V4PooledStepKV):
     """A step whose CSA entries are written to and gathered from the hierarchy's step."""
 
-    def __init__(self, stores: list[V4RequestKV], query_len: int, device: torch.device, inner: StepKV,
+    def __init__(self, pool: V4StatePool, slots: list[int], query_len: int, device: torch.device, inner: StepKV,
                  kv_layer: dict[int, int]) -> None:
-        super().__init__(stores, query_len, device)
+        super().__init__(pool, slots, query_len, device)
         self.inner, self.kv_layer = inner, kv_layer
 
     def _in_hierarchy(self, key: Key) -> bool:
@@ -79,7 +81,7 @@ class V4HierarchyStepKV(V4StepKV):
         if not self._in_hierarchy(key):
             super().add_entries(key, first, counts, entries)
             return
-        b, m, n = len(self.stores), self.inner.query_len, entries.shape[1]
+        b, m, n = self.batch, self.inner.query_len, entries.shape[1]
         if n > m:
             raise RuntimeError(f"{n} entries completed in one step; the hierarchy step holds {m}")
         rows = entries.new_zeros(b, m, entries.shape[-1])
@@ -110,7 +112,9 @@ class V4HierarchyKVManager:
                                 "model_state_bytes": kv_config.model_state_bytes + self.state_bytes})
         self.inner = KVManager(self.layout, kv_config, device)
         self.policy = kv_config.policy
-        self.states: dict[str, V4RequestKV] = {}
+        in_hierarchy = {(layer, "kv") for layer in self.kv_layer}
+        self.pool = V4StatePool(cfg, dtype, device, entry_keys={k for k in state_keys(cfg) if k not in in_hierarchy})
+        self.slots: dict[str, int] = {}
         self.step: V4HierarchyStepKV | None = None
         self._step_ids: list[str] = []
 
@@ -144,12 +148,12 @@ class V4HierarchyKVManager:
             if self.cfg.source_of(layer) == layer:
                 sources[self.layout.source_of_layer[k], 1:] = state.entries.pop((layer, "kv"))[:n]
         self.inner.import_prompt(request_id, sources, {})
-        self.states[request_id] = state
+        self.slots[request_id] = self.pool.load(state)
 
     def begin_step(self, request_ids: list[str], query_len: int) -> V4HierarchyStepKV:
         inner = self.inner.begin_step(request_ids, -(-query_len // self.rate))  # entries one step may complete
-        self.step = V4HierarchyStepKV([self.states[r] for r in request_ids], query_len, self.device, inner,
-                                      self.kv_layer)
+        self.step = V4HierarchyStepKV(self.pool, [self.slots[r] for r in request_ids], query_len, self.device,
+                                      inner, self.kv_layer)
         self._step_ids = list(request_ids)
         return self.step
 
@@ -157,10 +161,10 @@ class V4HierarchyKVManager:
         """Commit the tokens; the hierarchy keeps its provisional row where a window completed."""
         step = self.step
         assert step is not None
-        before = [s.length // self.rate for s in step.stores]
+        before = torch.div(self.pool.length[step.slot], self.rate, rounding_mode="floor")
         step.commit([accepted.get(r, step.query_len) for r in self._step_ids])
-        self.inner.end_step({r: s.length // self.rate - b for r, s, b in zip(self._step_ids, step.stores, before,
-                                                                             strict=True)})
+        kept = torch.div(self.pool.length[step.slot], self.rate, rounding_mode="floor") - before
+        self.inner.end_step(dict(zip(self._step_ids, kept.tolist(), strict=True)))
         self.step = None
 
     def abort_step(self) -> None:
@@ -174,7 +178,9 @@ class V4HierarchyKVManager:
         return list(self._step_ids) if self.step is not None else self.inner.owners_of(ticket)
 
     def release(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.pool.release(slot)
         self.inner.release(request_id)
 
     def poll(self) -> None:
@@ -185,9 +191,9 @@ class V4HierarchyKVManager:
 
     def request_stats(self, request_id: str) -> dict[str, float]:
         out = dict(self.inner.request_stats(request_id))
-        state = self.states.get(request_id)
-        if state is not None:
-            out.update({f"kv_{k}_bytes": float(v) for k, v in state.nbytes().items()})
+        slot = self.slots.get(request_id)
+        if slot is not None:
+            out.update({f"kv_{k}_bytes": float(v) for k, v in self.pool.nbytes(slot).items()})
         return out
 
     def check_invariants(self) -> None:

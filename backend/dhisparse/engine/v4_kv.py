@@ -1,5 +1,6 @@
 """KV manager for DeepSeek-V4 models: every request's V4 state (sliding-window rows, compressor pending state,
 compressed entries and indexer keys) held whole on the device, no budget, no tiers — the ``dense`` policy.
+The states of running requests are slots of one :class:`V4StatePool` (batched, updated in place).
 
 Same manager interface as ``DenseKVManager`` / ``dhisparse.kv.KVManager``; ``import_prompt`` takes the state
 ``DeepseekV4Model.prefill`` returned (its ``rows``). The hierarchy's policies do not serve V4 yet.
@@ -10,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
-from dhisparse.model.deepseek_v4.kv_state import V4RequestKV, V4StepKV
+from dhisparse.model.deepseek_v4.kv_state import V4RequestKV
+from dhisparse.model.deepseek_v4.state_pool import V4PooledStepKV, V4StatePool
 
 
 class V4DenseKVManager:
@@ -20,8 +22,9 @@ class V4DenseKVManager:
 
     def __init__(self, cfg: DeepseekV4Config, device: torch.device, max_query_len: int = 1) -> None:
         self.cfg, self.device, self.max_query_len = cfg, device, max_query_len
-        self.states: dict[str, V4RequestKV] = {}
-        self._step: tuple[list[str], V4StepKV] | None = None
+        self.pool: V4StatePool | None = None  # created at the first import (the model's dtype)
+        self.slots: dict[str, int] = {}
+        self._step: tuple[list[str], V4PooledStepKV] | None = None
 
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
         return None
@@ -32,10 +35,13 @@ class V4DenseKVManager:
     def import_prompt(self, request_id: str, rows: V4RequestKV, index_keys: dict[int, torch.Tensor]) -> None:
         if not isinstance(rows, V4RequestKV):
             raise TypeError("a deepseek_v4 request imports the V4RequestKV its prefill produced")
-        self.states[request_id] = rows
+        if self.pool is None:
+            self.pool = V4StatePool(self.cfg, rows.window[0].dtype, self.device)
+        self.slots[request_id] = self.pool.load(rows)
 
-    def begin_step(self, request_ids: list[str], query_len: int) -> V4StepKV:
-        step = V4StepKV([self.states[r] for r in request_ids], query_len, self.device)
+    def begin_step(self, request_ids: list[str], query_len: int) -> V4PooledStepKV:
+        assert self.pool is not None
+        step = V4PooledStepKV(self.pool, [self.slots[r] for r in request_ids], query_len, self.device)
         self._step = (list(request_ids), step)
         return step
 
@@ -53,17 +59,21 @@ class V4DenseKVManager:
         return []  # the dense store issues no copies
 
     def release(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        slot = self.slots.pop(request_id, None)
+        if slot is not None and self.pool is not None:
+            self.pool.release(slot)
 
     def poll(self) -> None:
         return None
 
     def stats(self) -> dict[str, float]:
-        return {"kv_requests": float(len(self.states))}
+        return {"kv_requests": float(len(self.slots))}
 
     def request_stats(self, request_id: str) -> dict[str, float]:
-        state = self.states.get(request_id)
-        return {} if state is None else {f"kv_{k}_bytes": float(v) for k, v in state.nbytes().items()}
+        slot = self.slots.get(request_id)
+        if slot is None or self.pool is None:
+            return {}
+        return {f"kv_{k}_bytes": float(v) for k, v in self.pool.nbytes(slot).items()}
 
     def check_invariants(self) -> None:
         return None

@@ -58,10 +58,12 @@ def kv_pool_bytes(hw: HardwareSpec = H200, drafter: str | None = "dspark") -> fl
 
 
 def request_split(cfg: DeepseekV4Config, policy: str, prompt_tokens: int, output_tokens: int, *,
-                  hot_rows: int = 4096, page_rows: int = 64, pool_bytes: float | None = None) -> dict[str, float]:
+                  hot_rows: int = 4096, page_rows: int = 64, pool_bytes: float | None = None,
+                  max_query_len: int = 1, draft_ring_bytes: int = 0) -> dict[str, float]:
     """Per-request device bytes under ``policy``: ``required`` (what admission reserves: the hierarchy's
     footprint of the CSA entries in entry rows + the V4 tail), its parts, and ``optional`` (adaptive: complete
-    pages of the prompt's CSA entries kept on device while memory is spare)."""
+    pages of the prompt's CSA entries kept on device while memory is spare). ``max_query_len`` / ``draft_ring_bytes``:
+    speculative decoding's verification length and draft ring (``KVConfig``'s fields of the same names)."""
     layout, _ = csa_layout(cfg, torch.float32)
     layout = dataclasses.replace(layout, row_dim=FP8_ROW_BYTES // 4,
                                  index_key_dim=FP8_INDEX_KEY_BYTES // 4)  # float32 words of the FP8 row
@@ -69,7 +71,7 @@ def request_split(cfg: DeepseekV4Config, policy: str, prompt_tokens: int, output
                             index_key_bytes=FP8_INDEX_KEY_BYTES, pending_value_bytes=PENDING_VALUE_BYTES)
     pool = int(pool_bytes if pool_bytes is not None else kv_pool_bytes())
     config = KVConfig(policy=policy, pool_bytes=pool, hot_rows=hot_rows, page_rows=page_rows,
-                      model_state_bytes=tail)
+                      model_state_bytes=tail, max_query_len=max_query_len, draft_ring_bytes=draft_ring_bytes)
     prompt_rows, new_rows = entry_rows(prompt_tokens, output_tokens, cfg.compress_rate_csa)
     fp = request_footprint(layout, config, prompt_rows, new_rows)
     csa_sources = layout.num_sources

@@ -55,6 +55,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disaggregated", action="store_true",
                    help="prefill/decode disaggregation: `context` and `generation` engine processes joined by NIXL, "
                         "orchestrated by `disaggregated_serving_bls` (see docs/disaggregated.md)")
+    d = p.add_argument_group("disaggregated serving on two hosts (imply --disaggregated)")
+    d.add_argument("--role", choices=("both", "context", "generation"), default=None,
+                   help="both: every model in this server (the default of --disaggregated); context: only the "
+                        "`context` (prefill) engine; generation: the `generation` engine, the orchestrator and the "
+                        "text models, calling the context server named by --context-url")
+    d.add_argument("--context-url", default="", metavar="HOST:PORT",
+                   help="gRPC endpoint of the context server (its --address and --grpc-port); --role generation")
+    d.add_argument("--nixl-agent-name", default="dhisparse", metavar="PREFIX",
+                   help="NIXL agent name prefix (agents <PREFIX>-context / <PREFIX>-generation); distinct per server "
+                        "when several context servers feed one generation server. NIXL needs no listening port: "
+                        "agent metadata travels inside context_phase_params; UCX picks the interfaces "
+                        "(set UCX_NET_DEVICES / UCX_TLS in the environment to choose)")
+    d.add_argument("--nixl-transfer-timeout", type=float, default=30.0, metavar="S",
+                   help="generation side: seconds one history READ may take before the request fails")
+    d.add_argument("--nixl-hold-timeout", type=float, default=60.0, metavar="S",
+                   help="context side: seconds a region nobody reads or cancels is held")
     g = p.add_argument_group("engine runtime options (override the engine's runtime.json)")
     for name, kind, help_text in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
@@ -77,6 +93,18 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
+def _disaggregated_options(args: argparse.Namespace) -> object | None:
+    """The disaggregated deployment's options (None: co-located); raises ValueError naming the flag at fault."""
+    if not args.disaggregated and args.role is None:
+        if args.context_url:
+            raise ValueError("--context-url needs --role generation")
+        return None
+    from dhisparse.disagg.repository import DisaggregatedOptions
+
+    return DisaggregatedOptions(args.role or "both", args.context_url, args.nixl_agent_name,
+                                args.nixl_transfer_timeout, args.nixl_hold_timeout)
+
+
 def _ports(args: argparse.Namespace, address: str) -> tuple[int, int, int]:
     wanted = [args.http_port, args.grpc_port, args.metrics_port]
     spare = iter(free_ports(wanted.count(0), address))
@@ -86,6 +114,7 @@ def _ports(args: argparse.Namespace, address: str) -> tuple[int, int, int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        disaggregated = _disaggregated_options(args)
         install = TritonInstall.locate()
         spec = RepositorySpec(args.engine, engine_overrides(args), metrics_interval_ms=args.metrics_interval_ms,
                               exclude_input_in_output=args.exclude_input_in_output == "true")
@@ -97,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dhisparse-serve-") as work:
         model_repo = args.model_repo or Path(work) / "model_repository"
         model_repo.mkdir(parents=True, exist_ok=True)
-        if args.disaggregated:
+        if disaggregated is not None:
             from dhisparse.disagg.repository import fill_disaggregated_repository
 
-            models = fill_disaggregated_repository(spec, model_repo, args.templates)
+            models = fill_disaggregated_repository(spec, model_repo, args.templates, disaggregated)
         else:
             models = fill_model_repository(spec, model_repo, args.templates)
         backend_dir = prepare_backend_dir(install, Path(work) / "backends")
@@ -117,18 +146,19 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"dhisparse-serve: ready models={','.join(models)} http={config.http_url} grpc={config.grpc_url} "
               f"metrics={config.metrics_url} pid={server.pid}", flush=True)
-        # The disaggregated deployment's engines (`context`, `generation`) do not unload themselves (yet).
-        watched = LLM_MODEL in models
+        # The engine models that unload themselves when their engine stops: `dhisparse`, and `generation` of the
+        # disaggregated deployment (`context` answers each prefill on its own and does not).
+        watched = next((m for m in (LLM_MODEL, "generation") if m in models), None)
         while not stop.wait(0.5):
             if server.poll() is not None:  # died on its own
                 code = server.stop()
                 print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)
                 return 1
-            if watched and not server.model_ready(LLM_MODEL) and not stop.is_set() and server.poll() is None:
+            if watched and not server.model_ready(watched) and not stop.is_set() and server.poll() is None:
                 # The engine stopped after a fault it could not recover from: its clients have their errors and
                 # the model unloaded itself. Stop the server so that its health endpoint stops answering ready
                 # too (Triton 2.51 counts only loaded models), and exit non-zero for the supervisor to restart us.
-                print(f"dhisparse-serve: error: model {LLM_MODEL!r} is no longer ready (its engine stopped after "
+                print(f"dhisparse-serve: error: model {watched!r} is no longer ready (its engine stopped after "
                       "a fault; see the server log); stopping tritonserver", file=sys.stderr, flush=True)
                 server.stop()
                 return 3

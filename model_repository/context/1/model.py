@@ -21,20 +21,29 @@ class TritonPythonModel:
         from dhisparse.disagg.prefill import PrefillEngine, PrefillService
         from dhisparse.disagg.triton_context import ContextService
         from dhisparse.serving import llm_request, repository, triton_tensors
+        from dhisparse.serving.engine_metrics import EngineMetrics
 
-        self.tensors = triton_tensors
-        self.names = (*llm_request.LLM_INPUTS, "request_type")
+        self.tensors, self.requests = triton_tensors, llm_request
+        self.names = (*llm_request.LLM_INPUTS, "request_type")  # LLM_INPUTS: + cancel_request_id
         overrides = {key.removeprefix("engine."): repository.parse_override(value)
                      for key, value in parameters.items() if key.startswith("engine.")}
-        exporter = NixlExporter(parameters.get("nixl.agent_name", "dhisparse-context-0"),
+        exporter = NixlExporter(parameters.get("nixl.agent_name", "dhisparse-context"),
                                 float(parameters.get("nixl.hold_timeout_s", "60")))
-        self.service = ContextService(PrefillService(PrefillEngine(parameters["engine_dir"], **overrides), exporter))
+        metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
+        interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
+        self.service = ContextService(PrefillService(PrefillEngine(parameters["engine_dir"], **overrides), exporter),
+                                      metrics=metrics, metrics_interval_s=interval_s)
 
     def execute(self, requests: list) -> list:
         responses = []
         for request in requests:
             try:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.names)
+                target = self.requests.cancel_target(inputs)
+                if target is not None:  # control request from disaggregated_serving_bls: free that region now
+                    freed = self.service.cancel(target)
+                    responses.append(self.tensors.response(pb_utils, self.service.cancel_answer(freed)))
+                    continue
                 responses.append(self.tensors.response(pb_utils, self.service.run(inputs, request.request_id())))
             except ValueError as error:  # InvalidRequestError and SamplingParams' checks
                 responses.append(self.tensors.error_response(pb_utils, error))

@@ -1,7 +1,7 @@
 """Triton `disaggregated_serving_bls`: context phase, then generation phase (dhisparse.disagg.triton_bls).
 
-Thin on purpose: each request is handed to `DisaggregatedBLS`, which calls `context` and `generation` from its own
-thread and streams the tokens back.
+Thin on purpose: each request is handed to `DisaggregatedBLS`, which calls `context` (in this server, or on the
+server named by the ``context_url`` parameter) and `generation` from its own thread and streams the tokens back.
 """
 
 from __future__ import annotations
@@ -18,9 +18,13 @@ class TritonPythonModel:
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         if parameters.get("python_path"):  # the launcher pins the dhisparse package it was started from
             sys.path.insert(0, parameters["python_path"])
+        from dhisparse.disagg.context_client import LocalContext, RemoteContext
         from dhisparse.disagg.triton_bls import DisaggregatedBLS
 
-        self.service = DisaggregatedBLS(pb_utils)
+        # context_url (HOST:PORT, gRPC): `context` runs on another server (dhisparse-serve --role context)
+        url = parameters.get("context_url", "")
+        context = RemoteContext(url) if url else LocalContext(pb_utils)
+        self.service = DisaggregatedBLS(pb_utils, context)
 
     def execute(self, requests: list) -> None:
         for request in requests:

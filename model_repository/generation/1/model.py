@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -30,12 +31,26 @@ class TritonPythonModel:
         self.names = (*llm_request.LLM_INPUTS, "request_type", "context_phase_params")  # LLM_INPUTS: + cancel
         overrides = {key.removeprefix("engine."): repository.parse_override(value)
                      for key, value in parameters.items() if key.startswith("engine.")}
-        importer = NixlImporter(parameters.get("nixl.agent_name", "dhisparse-generation-0"),
+        importer = NixlImporter(parameters.get("nixl.agent_name", "dhisparse-generation"),
                                 float(parameters.get("nixl.transfer_timeout_s", "30")))
         engine = load_decode_engine(parameters["engine_dir"], importer, **overrides)
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
-        self.service = GenerationService(pb_utils, engine, metrics, interval_s)
+        self.name = args["model_name"]
+        self.service = GenerationService(pb_utils, engine, metrics, interval_s, on_engine_dead=self._engine_dead)
+
+    def _engine_dead(self, reason: str) -> None:
+        """The engine stopped (every client has its error): unload this model so its readiness turns false, like
+        the co-located `dhisparse` model. Needs explicit model control (dhisparse-serve runs Triton so)."""
+        pb_utils.Logger.log_error(f"{self.name}: the engine stopped, unloading the model: {reason}")
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.name)
+            except Exception as error:
+                pb_utils.Logger.log_error(f"{self.name}: could not unload itself ({error}); it answers errors")
+
+        threading.Thread(target=unload, name="dhisparse-unload", daemon=True).start()
 
     def execute(self, requests: list) -> None:
         for request in requests:
@@ -55,7 +70,7 @@ class TritonPythonModel:
                     raise ValueError("context_phase_params is missing: send the context phase's output")
                 context = self.params.from_bytes(inputs["context_phase_params"])
                 self.service.start(self.requests.parse_llm_request(inputs), context, sender, request.request_id())
-            except ValueError as error:  # InvalidRequestError, malformed context_phase_params
+            except Exception as error:  # InvalidRequestError, malformed params, a stopped engine: an error, never silence
                 sender.send(self.tensors.error_response(pb_utils, error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 

@@ -16,7 +16,9 @@ compressor state and writes no entries of its own.
 
 :class:`V4StepKV` serves one batched forward of ``Q`` new tokens per request. It builds the per-step
 "extended" tensors (stored state followed by the new tokens) that the attention and compressors index, and
-``commit`` keeps what the accepted tokens leave behind. It loops over the requests of a batch, never over rows.
+``commit`` keeps what the accepted tokens leave behind. It loops over the requests of a batch (never over rows):
+prefill (one request) and references use it; serving steps use the batched, slot-indexed
+:class:`~dhisparse.model.deepseek_v4.state_pool.V4StatePool` / ``V4PooledStepKV`` (no loop over requests).
 """
 
 from __future__ import annotations
