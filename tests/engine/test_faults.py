@@ -45,6 +45,8 @@ def reference(engine_dir, prompts) -> list[list[int]]:
 def _kwargs(engine_dir: Path, policy: str, speculative: str | None, faults: str) -> dict:
     kwargs = dict(kv_policy=policy, page_rows=8, max_batch_size=3, prefill_chunk_tokens=16, speculative=speculative,
                   num_draft_tokens=3, fault_injection=faults)
+    if faults.startswith("copy.import"):  # the import copy runs where the prefill hands over a LocalKV's rows
+        kwargs["stream_prefill"] = False
     probe = LLM(engine_dir, **{**kwargs, "fault_injection": ""}, pool_bytes=1 << 30)
     need = probe.engine.kv.required_bytes(max(LENGTHS), NEW_TOKENS)
     kwargs["pool_bytes"] = 2 * need + 4096  # two requests at a time: reclaim, waiting and refill all happen
@@ -92,7 +94,7 @@ CASES = [
     ("prefill_chunk@1", "adaptive", None),
     ("prefill_chunk@3", "hisparse", "dspark"),  # a later chunk of the first prompt (41 tokens, chunks of 16)
     ("copy.fetch@2", "hisparse", None),  # host→device rows of a decode step
-    ("copy.import@1", "adaptive", None),  # a prompt's pages going to the host store
+    ("copy.import@1", "adaptive", None),  # a prompt's pages going to the host store (prefill over a LocalKV)
 ]
 
 

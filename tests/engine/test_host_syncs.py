@@ -72,3 +72,28 @@ def test_decode_step_reads_the_host_a_constant_number_of_times(tiny_engine) -> N
             assert stats["kv_rows_host"] > 0  # the fixed-shape host fetch path ran
     assert set(per_step.values()) == {frozenset({1})}, per_step  # one read per decode step everywhere
 
+
+
+def test_model_forward_reads_nothing_on_the_host(tiny_engine) -> None:
+    """The whole decode forward — attention, indexer, MoE dispatch (grouped in float32, masked in float64) and the
+    KV calls — reads no tensor value on the host: the step's one read is the engine's token read."""
+    prompts = random_prompts([30, 23, 37], 96, seed=6)
+    for dtype in ("float32", "float64"):
+        llm = LLM(tiny_engine("glm_fsfs_sparse", dtype), kv_policy="hisparse", page_rows=4, max_batch_size=4)
+        engine = llm.engine
+        audit = _ReadAudit(engine.kv.sync)
+        forward = engine.model.forward
+
+        def audited(*a, _f=forward, _a=audit, **k):
+            with _a:
+                return _f(*a, **k)
+        for p in prompts:
+            engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True))
+        engine.step()  # prefill (the MoE's one-off grouped-matmul probe runs here) and the first decode step
+        engine.model.forward = audited
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        assert steps >= 2
+        assert audit.reads == [], f"{dtype}: the decode forward read the host: {audit.reads[:5]}"

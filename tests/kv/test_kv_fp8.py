@@ -11,7 +11,14 @@ from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
 from dhisparse.kv.footprint import request_footprint
-from dhisparse.kv.fp8 import dequantize_rows, fp8_row_bytes, quantize_rows
+from dhisparse.kv.fp8 import (
+    dequantize_keys,
+    dequantize_rows,
+    fp8_key_bytes,
+    fp8_row_bytes,
+    quantize_keys,
+    quantize_rows,
+)
 
 
 def test_glm_and_deepseek_rows_are_656_bytes_and_round_trip_within_fp8_precision() -> None:
@@ -53,3 +60,39 @@ def test_fp8_needs_a_hierarchy_policy() -> None:
 
     with pytest.raises(ConfigError, match="kv_dtype"):
         EngineConfig(kv_policy="dense", kv_dtype="fp8")
+
+
+def test_fp8_indexer_keys_are_132_bytes_and_round_trip_within_fp8_precision() -> None:
+    assert fp8_key_bytes(128) == 132
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(5, 9, 128, generator=g) * torch.rand(5, 9, 1, generator=g) * 4
+    keys[0, 0] = 0  # an all-zero key keeps scale 1
+    packed = quantize_keys(keys)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (5, 9, 132)
+    back = dequantize_keys(packed, torch.float32)
+    assert bool(((back - keys).abs() <= keys.abs().amax(-1, keepdim=True) * 2**-4 + 1e-30).all())
+    assert not bool(back[0, 0].any())
+    assert not bool(dequantize_keys(torch.zeros(3, 132, dtype=torch.uint8), torch.float32).any())  # padding
+
+
+def test_every_policy_gives_the_tokens_of_fully_resident_fp8_keys(tiny_engine) -> None:
+    """FP8 indexer keys (with FP8 rows and alone): stored as e4m3 + scale, scored dequantized; the hierarchy stays
+    exact for them, and the footprint counts the stored key size."""
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    prompts = random_prompts([50, 97], 96, seed=8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for kv_dtype in ("fp8", "auto"):
+        resident = LLM(engine_dir, kv_policy="resident", kv_dtype=kv_dtype, index_key_dtype="fp8", page_rows=4)
+        layout = resident.engine.kv.layout
+        assert layout.index_key_bytes == 16 + 4  # tiny model: index_head_dim 16
+        expected = [o.token_ids for o in resident.generate(prompts, params)]
+        for policy in ("hisparse", "adaptive"):
+            smallest = request_footprint(layout, dataclasses.replace(resident.engine.kv.config, policy=policy),
+                                         97, 10).required_bytes
+            llm = LLM(engine_dir, kv_policy=policy, kv_dtype=kv_dtype, index_key_dtype="fp8", page_rows=4,
+                      pool_bytes=int(1.5 * smallest))
+            got = [o.token_ids for o in llm.generate(prompts, params)]
+            assert got == expected, f"{policy} (rows {kv_dtype}) with fp8 keys changed the tokens"
+            llm.engine.kv.check_invariants()
+    with pytest.raises(Exception, match="index_key_dtype"):
+        LLM(engine_dir, kv_policy="dense", index_key_dtype="fp8")

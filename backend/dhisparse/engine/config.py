@@ -38,6 +38,8 @@ class EngineConfig:
     reserve_bytes: int = defaults.RESERVE_BYTES
     host_bytes: int = 0  # 0: half of the machine's physical memory
     kv_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy policies only)
+    index_key_dtype: str = "auto"  # "auto": indexer keys in the model dtype; "fp8": e4m3 + a float32 scale per key
+    stream_prefill: bool = True  # prompts go to their host pages chunk by chunk (host-store policies, native rows)
     refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     speculative: str | None = None
     num_draft_tokens: int = defaults.NUM_DRAFT_TOKENS
@@ -57,6 +59,11 @@ class EngineConfig:
             raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.kv_dtype == "fp8" and policy.reference_store:
             raise ConfigError("kv_dtype 'fp8' needs a KV hierarchy policy (resident, hisparse or adaptive), "
+                              "not the dense reference store")
+        if self.index_key_dtype not in KV_DTYPES:
+            raise ConfigError(f"index_key_dtype must be one of {', '.join(KV_DTYPES)}, got {self.index_key_dtype!r}")
+        if self.index_key_dtype == "fp8" and policy.reference_store:
+            raise ConfigError("index_key_dtype 'fp8' needs a KV hierarchy policy (resident, hisparse or adaptive), "
                               "not the dense reference store")
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be None, 'dflash2' or 'dspark', got {self.speculative!r}")

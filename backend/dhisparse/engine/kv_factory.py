@@ -26,7 +26,8 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
     from dhisparse.kv import KVConfig, KVLayout, KVManager
 
-    layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype, "fp8" if cfg.kv_dtype == "fp8" else "native")
+    layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype, "fp8" if cfg.kv_dtype == "fp8" else "native",
+                                        "fp8" if cfg.index_key_dtype == "fp8" else "native")
     kv_cfg = KVConfig(
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows, page_rows=cfg.page_rows,
         reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
@@ -41,6 +42,9 @@ def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max
     if cfg.kv_dtype != "auto":
         raise ConfigError(f"kv_dtype {cfg.kv_dtype!r}: deepseek_v4 keeps its entries in the model dtype; "
                           "use kv_dtype='auto'")
+    if cfg.index_key_dtype != "auto":
+        raise ConfigError(f"index_key_dtype {cfg.index_key_dtype!r}: deepseek_v4 keeps its keys in the model dtype; "
+                          "use index_key_dtype='auto'")
     if policy_named(cfg.kv_policy, "kv_policy").reference_store:
         from dhisparse.engine.v4_kv import V4DenseKVManager
 

@@ -16,10 +16,12 @@ import torch
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.faults import FaultInjector, FaultyStepKV
 from dhisparse.engine.kv_factory import make_kv_manager
+from dhisparse.engine.prefill_stream import StreamedPrefillKV
 from dhisparse.engine.request import Request, RequestUpdate, Status
 from dhisparse.engine.workspace import auto_pool_bytes, workspace_bound
 from dhisparse.errors import ConfigError, EngineDeadError, InvalidRequestError
 from dhisparse.kv.copies import CopyError
+from dhisparse.kv.policies import policy_named
 from dhisparse.model.model import DSAModel
 from dhisparse.sampling import (
     LogitsProcessor,
@@ -93,11 +95,16 @@ class LLMEngine:
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or self.max_model_len
         self.eos_token_ids = set(mcfg.eos_token_id)
         self.query_len = 1 + (speculator.gamma if speculator else 0)
+        is_v4 = getattr(mcfg, "model_type", None) == "deepseek_v4"
+        # Prompts stream into their host pages chunk by chunk where the policy keeps a host store (native rows).
+        self.streams_prefill = (cfg.stream_prefill and not is_v4 and isinstance(model, DSAModel)
+                                and cfg.kv_dtype == "auto"
+                                and policy_named(cfg.kv_policy, "kv_policy").uses_host)
         # The workspace bound models the DSA (GLM / DeepSeek-V3.2) forward; deepseek_v4 has none yet.
-        self.workspace = None if getattr(mcfg, "model_type", None) == "deepseek_v4" else workspace_bound(
+        self.workspace = None if is_v4 else workspace_bound(
             mcfg, cfg.torch_dtype, max_batch_size=cfg.max_batch_size, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             query_len=self.query_len, max_model_len=self.max_model_len, page_rows=cfg.page_rows,
-            hot_rows=cfg.hot_rows or mcfg.index_topk)
+            hot_rows=cfg.hot_rows or mcfg.index_topk, streamed_prefill=self.streams_prefill)
         if cfg.pool_bytes == 0:  # "auto"
             if self.workspace is None:
                 raise ConfigError("pool_bytes 0 ('auto') needs the device workspace bound, which is not modelled "
@@ -285,17 +292,33 @@ class LLMEngine:
             self._guarded(lambda req=req: self._prefill(req, updates), [req], updates)
 
     def _prefill(self, req: Request, updates: list[RequestUpdate]) -> None:
+        store = self._streamed_prefill_store(req)
         out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.cfg.prefill_chunk_tokens,
                                  capture_hidden=self.spec.layers if self.spec else (),
-                                 all_logits=req.params.context_logits, on_chunk=self._prefill_chunk_hook)
+                                 all_logits=req.params.context_logits, on_chunk=self._prefill_chunk_hook,
+                                 **({"store": store} if store is not None else {}))  # DSAModel only
         if req.params.context_logits:
             req.context_logits = out.all_logits
-        self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
+        if out.rows is None:  # streamed: the rows are in the request's host pages already
+            self.kv.import_host_history(req.request_id, out.index_keys)
+        else:
+            self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
         if self.spec is not None:
             req.spec_state = self.spec.start(self.spec.features(out.hidden))
         req.num_computed = req.prompt_len
         self.counters["prefill_tokens"] += req.prompt_len
         self._sample_and_append([req], out.logits.unsqueeze(0), updates)
+
+    def _streamed_prefill_store(self, req: Request) -> StreamedPrefillKV | None:
+        """The store that streams this prompt into its host pages (see ``engine/prefill_stream.py``), or ``None``
+        to prefill over a ``LocalKV`` of the whole prompt (no host store, FP8 rows, the dense reference, V4)."""
+        if not self.streams_prefill:
+            return None
+        row_index = self.kv.history_host_rows(req.request_id)
+        if row_index is None:
+            return None
+        return StreamedPrefillKV(self.kv.layout, self.kv.host.rows, row_index, self.cfg.prefill_chunk_tokens,
+                                 self.model.dtype, self.model.device)
 
     def _prefill_chunk_hook(self, start: int) -> None:
         self.faults.hit("prefill_chunk")

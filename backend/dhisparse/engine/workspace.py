@@ -3,8 +3,13 @@
 The KV pool (``pool_bytes``) covers what outlives a step (arena, indexer keys, page tables, hot-cache state,
 speculative state). Each forward also allocates temporaries; they are bounded here by the configuration alone —
 ``max_batch_size``, ``prefill_chunk_tokens``, the verification length and the model config — because the indexer
-scores keys ``INDEX_TILE_TOKENS`` at a time (its workspace does not grow with the context). The one term that
-scales with ``max_model_len`` is the prefill's own copy of the prompt's rows (``LocalKV``), kept until import.
+scores keys ``INDEX_TILE_TOKENS`` at a time and queries ``QUERY_TILE_TOKENS`` at a time, and prefill attention reads
+its selected rows ``QUERY_TILE_TOKENS`` queries at a time: neither grows with the context, and the attention part
+is capped by ``index_topk`` (rows attended per query), not by the chunk. What scales with ``max_model_len`` is the
+prefill's own KV: with a host store (``hisparse``/``adaptive``, native rows) prompts stream into their host pages
+chunk by chunk (``engine/prefill_stream.py``) and only the prompt's indexer keys scale (``index_head_dim`` values
+per token and indexer layer, held until import); otherwise (``resident``, FP8 rows, the dense reference) the
+prefill's ``LocalKV`` holds the whole prompt's rows and keys until import.
 
 The estimate counts every temporary of one layer live at once (an upper bound: the forward frees them between
 layers) and is checked against torch's memory profiler in tests/engine/test_workspace.py.
@@ -31,7 +36,7 @@ class WorkspaceBound:
     attention_bytes: int  # one layer's gathered rows, scores and probabilities
     resolver_bytes: int  # one resolve call's temporaries and the step's stacked state
     activation_bytes: int  # hidden states of one forward (a few copies)
-    prefill_kv_bytes: int  # the prompt's rows and indexer keys held by prefill until import
+    prefill_kv_bytes: int  # prefill KV until import: a chunk of rows (streamed) or all rows, and the prompt's keys
 
     @property
     def total_bytes(self) -> int:
@@ -47,29 +52,48 @@ class WorkspaceBound:
 
 
 def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int, prefill_chunk_tokens: int,
-                    query_len: int, max_model_len: int, page_rows: int, hot_rows: int) -> WorkspaceBound:
-    """The bound for one engine configuration (see the module docstring)."""
+                    query_len: int, max_model_len: int, page_rows: int, hot_rows: int,
+                    streamed_prefill: bool = False) -> WorkspaceBound:
+    """The bound for one engine configuration (see the module docstring). ``streamed_prefill``: prompts stream
+    into their host pages chunk by chunk (``engine/prefill_stream.py``), so the prefill holds one chunk of rows."""
     e = dtype.itemsize
     topk = min(cfg.index_topk, max_model_len)
     tile = min(mla.INDEX_TILE_TOKENS, max_model_len)
     heads, idx_heads, d = cfg.num_attention_heads, cfg.index_n_heads, cfg.index_head_dim
     layers = cfg.num_hidden_layers
     # The largest forward: a prefill chunk (1 request) or a decode/verification step of the full batch.
-    shapes = ((1, prefill_chunk_tokens), (max_batch_size, query_len))
+    # A prefill chunk runs over its LocalKV (attention tiled over queries); a step's few queries are read at once.
+    shapes = ((1, prefill_chunk_tokens, True), (max_batch_size, query_len, False))
     indexer = attention = resolver = activations = 0
-    for batch, q in shapes:
+    qt = mla.QUERY_TILE_TOKENS
+    for batch, q, prefill in shapes:
         rows = batch * q
-        indexer = max(indexer, rows * (3 * idx_heads * tile * F32 + 2 * idx_heads * d * F32 + 3 * tile * F32
-                                       + 3 * tile + 2 * (topk + tile) * (F32 + I64) + idx_heads * F32)
-                      + batch * tile * d * (e + 2 * F32))
-        attention = max(attention, rows * topk * (3 * cfg.row_dim * e + 6 * heads * F32 + I64)
+        # Indexer: scores of one (query tile × key tile) and its top-k merge; the running top-k of every query.
+        iq = batch * min(q, qt)
+        indexer = max(indexer, iq * (3 * idx_heads * tile * F32 + 2 * idx_heads * d * F32 + 3 * tile * F32
+                                     + 3 * tile + 2 * (topk + tile) * (F32 + I64))
+                      + rows * (2 * topk * (F32 + I64) + idx_heads * F32) + batch * tile * d * (e + 2 * F32))
+        # Attention: gathered rows, scores and probabilities of one query tile (a prefill chunk over its LocalKV
+        # is read QUERY_TILE_TOKENS queries at a time; a decode/verification step's few queries at once).
+        aq = batch * (min(q, qt) if prefill else q)
+        attention = max(attention, aq * topk * (3 * cfg.row_dim * e + 6 * heads * F32 + I64)
                         + rows * heads * (2 * cfg.kv_lora_rank + cfg.qk_head_dim + cfg.v_head_dim) * F32 * 2)
-        # ~20 int64 arrays of one resolve over [B, Q*K] entries; stacked hot state and page/host tables.
+        # ~20 int64 arrays of one resolve over [B, Q*K] entries; stacked hot state and page/host tables (a step
+        # of the hierarchy; the prefill's LocalKV resolves nothing).
         pages = -(-max_model_len // page_rows)
-        resolver = max(resolver, rows * topk * 20 * I64 + batch * layers * (6 * hot_rows + 3 * pages) * I64)
+        if not prefill:
+            resolver = max(resolver, rows * topk * 20 * I64 + batch * layers * (6 * hot_rows + 3 * pages) * I64)
+        # Hidden states, the dense MLP, the MoE's per-assignment operands (grouped dispatch), the logits.
+        moe = cfg.num_experts_per_tok * (3 * cfg.hidden_size + 3 * cfg.moe_intermediate_size) * F32
         activations = max(activations, rows * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * F32
-                          + rows * cfg.vocab_size * F32 * 2)
-    prefill_kv = max_model_len * (layers * cfg.row_dim + len(cfg.indexer_layers) * d) * e
+                          + rows * moe + rows * cfg.vocab_size * F32 * 2)
+    keys = max_model_len * len(cfg.indexer_layers) * d * e  # the prompt's indexer keys until import
+    if streamed_prefill:  # one chunk of rows per layer on the device, plus the distinct earlier rows one
+        # query tile selected, fetched from the host store (host rows, their device copy, the row index)
+        fetched = min(qt, prefill_chunk_tokens) * topk * (2 * cfg.row_dim * e + 3 * I64)
+        prefill_kv = prefill_chunk_tokens * layers * cfg.row_dim * e + fetched + keys
+    else:  # the whole prompt's rows (LocalKV)
+        prefill_kv = max_model_len * layers * cfg.row_dim * e + keys
     return WorkspaceBound(indexer, attention, resolver, activations, prefill_kv)
 
 

@@ -9,11 +9,19 @@ import torch
 
 from dhisparse import defaults
 from dhisparse.errors import ConfigError
-from dhisparse.kv.fp8 import dequantize_rows, fp8_row_bytes, quantize_rows
+from dhisparse.kv.fp8 import (
+    dequantize_keys,
+    dequantize_rows,
+    fp8_key_bytes,
+    fp8_row_bytes,
+    quantize_keys,
+    quantize_rows,
+)
 from dhisparse.kv.policies import KV_POLICIES, KVPolicy, policy_named
 
 __all__ = ["KV_POLICIES", "ROW_FORMATS", "AdmissionError", "KVConfig", "KVLayout"]
 ROW_FORMATS = ("native", "fp8")
+KEY_FORMATS = ("native", "fp8")
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -47,6 +55,8 @@ class KVLayout:
             ``latent_dim`` e4m3 values, a float32 scale per 128 of them, then the rest as bfloat16; stored as
             ``uint8`` bytes, dequantized at gather; see :mod:`dhisparse.kv.fp8`).
         latent_dim: values of the latent part of a row (``kv_lora_rank``; needed by ``fp8``).
+        index_key_format: ``native`` (keys of ``dtype``) or ``fp8`` (e4m3 values and one float32 scale per key,
+            ``index_key_dim + 4`` bytes; quantized when stored, dequantized when scored).
     """
 
     num_layers: int
@@ -59,6 +69,7 @@ class KVLayout:
     index_groups: tuple[tuple[int, ...], ...] = ()
     row_format: str = "native"
     latent_dim: int = 0
+    index_key_format: str = "native"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "source_of_layer", _ints(self.source_of_layer, "source_of_layer"))
@@ -85,6 +96,8 @@ class KVLayout:
                 fp8_row_bytes(self.latent_dim, self.row_dim - self.latent_dim)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
+        if self.index_key_format not in KEY_FORMATS:
+            raise ConfigError(f"index_key_format must be one of {KEY_FORMATS}, got {self.index_key_format!r}")
         for layer in self.indexer_layers:
             if not 0 <= layer < self.num_layers:
                 raise ConfigError(f"indexer layer {layer} is outside 0 .. {self.num_layers - 1}")
@@ -100,7 +113,8 @@ class KVLayout:
                 seen.add(layer)
 
     @classmethod
-    def from_model_config(cls, model_cfg: Any, dtype: torch.dtype, row_format: str = "native") -> KVLayout:
+    def from_model_config(cls, model_cfg: Any, dtype: torch.dtype, row_format: str = "native",
+                          index_key_format: str = "native") -> KVLayout:
         """Layout of a ``dhisparse.model.config.ModelConfig`` (both families: one source per layer, a latent
         row of ``kv_lora_rank + qk_rope_head_dim``, keys of ``index_head_dim``, GLM groups from
         ``indexer_types``)."""
@@ -116,6 +130,7 @@ class KVLayout:
             index_groups=tuple(g for g in model_cfg.index_groups if len(g) > 1),
             row_format=row_format,
             latent_dim=int(model_cfg.kv_lora_rank),
+            index_key_format=index_key_format,
         )
 
     @property
@@ -151,8 +166,26 @@ class KVLayout:
         return stored
 
     @property
+    def key_storage_dtype(self) -> torch.dtype:
+        """Element type of stored indexer keys: ``dtype``, or ``uint8`` bytes for ``fp8``."""
+        return torch.uint8 if self.index_key_format == "fp8" else self.dtype
+
+    @property
+    def key_storage_dim(self) -> int:
+        """Elements of one stored key: ``index_key_dim``, or its byte count for ``fp8``."""
+        return fp8_key_bytes(self.index_key_dim) if self.index_key_format == "fp8" else self.index_key_dim
+
+    @property
     def index_key_bytes(self) -> int:
-        return self.index_key_dim * self.dtype.itemsize
+        return self.key_storage_dim * self.key_storage_dtype.itemsize
+
+    def encode_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Keys ``[..., index_key_dim]`` → stored keys ``[..., key_storage_dim]`` of ``key_storage_dtype``."""
+        return quantize_keys(keys) if self.index_key_format == "fp8" else keys.to(self.dtype)
+
+    def decode_keys(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored keys → keys ``[..., index_key_dim]`` of ``dtype``."""
+        return dequantize_keys(stored, self.dtype) if self.index_key_format == "fp8" else stored
 
     @property
     def staging_slots(self) -> int:

@@ -11,6 +11,10 @@ reads. Each group of 128 latent values (fewer when the latent is smaller, as in 
 ``amax / 448`` (448: the largest e4m3 value) before the cast; an all-zero group keeps scale 1. Dequantization
 multiplies back in float32 and casts to the model dtype; RoPE values only lose their bits below bfloat16.
 The arena, the host store and every copy between them hold these bytes; only ``gather`` sees values.
+
+Indexer keys have an FP8 format too (``index_key_format="fp8"``), DeepSeek-V3.2's: the ``d`` key values as
+float8 e4m3 scaled by one float32 ``amax / 448`` per key, then that scale — ``d + 4`` bytes (132 for 128 values).
+Keys are quantized when stored and dequantized when scored.
 """
 
 from __future__ import annotations
@@ -57,3 +61,25 @@ def dequantize_rows(packed: torch.Tensor, latent_dim: int, dtype: torch.dtype) -
     rope = packed[..., latent_dim + 4 * groups:].contiguous().view(torch.bfloat16)
     latent = (values.reshape(*lead, groups, group) * scales.unsqueeze(-1)).reshape(*lead, latent_dim)
     return torch.cat([latent.to(dtype), rope.to(dtype)], dim=-1)
+
+
+def fp8_key_bytes(key_dim: int) -> int:
+    """Bytes of one FP8 indexer key (132 for 128 values): e4m3 values then one float32 scale."""
+    return key_dim + 4
+
+
+def quantize_keys(keys: torch.Tensor) -> torch.Tensor:
+    """``keys [..., d]`` (any float dtype) → ``uint8 [..., d + 4]``."""
+    k = keys.float()
+    scale = k.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = (k / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([values, scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def dequantize_keys(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``uint8 [..., d + 4]`` → keys ``[..., d]`` of ``dtype`` (all-zero bytes give zero keys)."""
+    d = packed.shape[-1] - 4
+    values = packed[..., :d].contiguous().view(torch.float8_e4m3fn).float()
+    scale = packed[..., d:].contiguous().view(torch.float32)
+    return (values * scale).to(dtype)

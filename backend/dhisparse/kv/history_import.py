@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.kv.config import KVLayout
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_VALID, HostStore
 from dhisparse.kv.request_state import OPT_READY, RequestKV
@@ -80,14 +81,15 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
 
 
 def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], indexer_layers: frozenset[int],
-                   index_key_dim: int) -> None:
-    """Copy the prompt's indexer keys ``{layer: [prompt_len, index_key_dim]}`` (every indexer layer)."""
+                   layout: KVLayout) -> None:
+    """Store the prompt's indexer keys ``{layer: [prompt_len, index_key_dim]}`` (every indexer layer) in the
+    layout's key format."""
     if set(index_keys) != set(indexer_layers):
         raise ValueError(f"import: index_keys must cover layers {sorted(indexer_layers)}, got {sorted(index_keys)}")
     for layer, keys in index_keys.items():
-        if tuple(keys.shape) != (req.prompt_len, index_key_dim):
-            raise ValueError(f"import: index_keys[{layer}] must be [{req.prompt_len}, {index_key_dim}], "
+        if tuple(keys.shape) != (req.prompt_len, layout.index_key_dim):
+            raise ValueError(f"import: index_keys[{layer}] must be [{req.prompt_len}, {layout.index_key_dim}], "
                              f"got {list(keys.shape)}")
     for layer, keys in index_keys.items():
         target = req.index_keys[layer]
-        target[: req.prompt_len] = keys.to(target.device, target.dtype)
+        target[: req.prompt_len] = layout.encode_keys(keys.to(target.device))

@@ -213,7 +213,8 @@ class KVManager:
             opt_page=torch.full((sources, prompt_pages), -1, dtype=torch.int64),
             opt_retire_epoch=torch.zeros((sources, prompt_pages), dtype=torch.int64),
             index_keys={
-                layer: torch.zeros(fp.capacity_rows, layout.index_key_dim, dtype=layout.dtype, device=dev)
+                layer: torch.zeros(fp.capacity_rows, layout.key_storage_dim, dtype=layout.key_storage_dtype,
+                                   device=dev)
                 for layer in layout.indexer_layers
             },
             ring_free_epoch=torch.zeros(fp.tail_pages, dtype=torch.int64),
@@ -247,7 +248,7 @@ class KVManager:
             if tuple(keys.shape) != (req.prompt_len, self.layout.index_key_dim):
                 raise ValueError(f"import_prompt: index_keys[{layer}] must be [{req.prompt_len}, "
                                  f"{self.layout.index_key_dim}], got {list(keys.shape)}")
-            req.index_keys[layer][: req.prompt_len] = keys.to(self.device, self.layout.dtype)
+            req.index_keys[layer][: req.prompt_len] = self.layout.encode_keys(keys.to(self.device))
         rows = self.layout.encode(rows)
         residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
         req.imported = True
@@ -268,7 +269,7 @@ class KVManager:
         req = self._running(request_id)
         if req.imported:
             raise ValueError(f"request {request_id!r} was already imported")
-        history_host.set_index_keys(req, index_keys, self.indexer_layers, self.layout.index_key_dim)
+        history_host.set_index_keys(req, index_keys, self.indexer_layers, self.layout)
         history_host.import_host_rows(req, self.config.policy, self.pool, self.host)
         req.imported = True
         self.check_budget()

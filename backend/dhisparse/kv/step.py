@@ -143,7 +143,7 @@ class StepKV:
                                  "are required for a layer with an indexer")
             # One batched copy into every request's key tensor (views of the new positions).
             torch._foreach_copy_([r.index_keys[layer][r.length : r.length + q] for r in self.requests],
-                                 list(index_keys.to(m.layout.dtype).unbind(0)))
+                                 list(m.layout.encode_keys(index_keys).unbind(0)))
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
@@ -160,7 +160,7 @@ class StepKV:
         out = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
         if out.shape[1] < stop - start:
             out = torch.nn.functional.pad(out, (0, 0, 0, stop - start - out.shape[1]))
-        return out
+        return m.layout.decode_keys(out)
 
     # ------------------------------------------------------------------------------------------ gather
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:

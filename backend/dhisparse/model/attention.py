@@ -18,6 +18,7 @@ from dhisparse.model.rope import apply_rope_half_split, apply_rope_interleaved, 
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
 INDEX_TILE_TOKENS = 2048  # key positions scored at once: the indexer's workspace does not grow with the context
+QUERY_TILE_TOKENS = 64  # queries scored / attended at once: a prefill chunk's workspace does not grow with the chunk
 
 
 class IndexedMLA:
@@ -94,14 +95,29 @@ class IndexedMLA:
         attend = getattr(kv, "attend", None)
         out_lat = attend(self.layer, selection, q_lat, q_rot, self.scaling) if attend is not None else None
         if out_lat is None:
-            gathered = kv.gather(self.layer, selection)  # [B, Q, K, row_dim]
-            latent, pe = gathered[..., :rank], gathered[..., rank:]
-            scores = torch.einsum("bqhr,bqkr->bqhk", q_lat, latent) + torch.einsum("bqhp,bqkp->bqhk", q_rot, pe)
-            scores = (scores * self.scaling).masked_fill((selection < 0).unsqueeze(2), float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-            out_lat = torch.einsum("bqhk,bqkr->bqhr", probs, latent)
+            # Stores whose gather is a plain lookup (the prefill's LocalKV) are read QUERY_TILE_TOKENS queries at a
+            # time; a hierarchical step resolves each layer's selection once, with its few decode/verify queries.
+            # (One tile passes the selection tensor itself: a hierarchical step recognises a shared selection by
+            # identity.)
+            tile = QUERY_TILE_TOKENS if getattr(kv, "query_tiled_gather", False) else q_len
+            if tile >= q_len:
+                out_lat = self._attend_rows(kv, selection, q_lat, q_rot)
+            else:
+                out_lat = torch.cat([self._attend_rows(kv, selection[:, s:s + tile], q_lat[:, s:s + tile],
+                                                       q_rot[:, s:s + tile]) for s in range(0, q_len, tile)], dim=1)
         out = torch.einsum("bqhr,hvr->bqhv", out_lat, self.w_uv).reshape(b, q_len, -1)
         return F.linear(out, self.o, self.o_bias), selection
+
+    def _attend_rows(self, kv: StepKV, selection: torch.Tensor, q_lat: torch.Tensor, q_rot: torch.Tensor
+                     ) -> torch.Tensor:
+        """Absorbed attention of queries ``[B, q, …]`` over their selected rows: ``[B, q, heads, rank]``."""
+        rank = self.cfg.kv_lora_rank
+        gathered = kv.gather(self.layer, selection)  # [B, q, K, row_dim]
+        latent, pe = gathered[..., :rank], gathered[..., rank:]
+        scores = torch.einsum("bqhr,bqkr->bqhk", q_lat, latent) + torch.einsum("bqhp,bqkp->bqhk", q_rot, pe)
+        scores = (scores * self.scaling).masked_fill((selection < 0).unsqueeze(2), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_lat.dtype)
+        return torch.einsum("bqhk,bqkr->bqhr", probs, latent)
 
     def _indexer_qk(
         self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -119,7 +135,8 @@ class IndexedMLA:
         """Lightning-indexer top-k: ``Σ_h w_h · relu(scale · q_h·k)`` in float32, causal, ``K = min(topk, T)``.
 
         Keys are scored ``INDEX_TILE_TOKENS`` positions at a time and the running top-k is merged tile by tile,
-        so the workspace is ``[B, Q, heads, tile]`` float32 at any context length. With one tile (short
+        queries ``QUERY_TILE_TOKENS`` at a time, so the scores' workspace is ``[B, q_tile, heads, tile]`` float32
+        at any context length and chunk size. With one tile (short
         contexts) this is the plain top-k over all positions; across tiles it selects the same positions in the
         same order whenever the scores are distinct."""
         cfg = self.cfg
@@ -127,22 +144,27 @@ class IndexedMLA:
         head_w = F.linear(x.to(self.idx_weights.dtype), self.idx_weights).float() * (cfg.index_n_heads**-0.5)
         k = min(cfg.index_topk, total)
         lengths = kv.lengths.view(-1, 1, 1)
-        best_values = best_idx = None
+        q_len = index_q.shape[1]
+        q_tiles = [(a, min(q_len, a + QUERY_TILE_TOKENS)) for a in range(0, q_len, QUERY_TILE_TOKENS)]
+        best: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(q_tiles)
         for start in range(0, total, INDEX_TILE_TOKENS):
             stop = min(total, start + INDEX_TILE_TOKENS)
-            keys = kv.index_keys(self.layer, start, stop)  # [B, tile, d]
-            scores = torch.matmul(index_q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * self.idx_scale
-            scores = F.relu(scores)  # [B, Q, heads, tile]
-            index_scores = torch.matmul(head_w.unsqueeze(-2), scores).squeeze(-2)  # [B, Q, tile]
-            t = torch.arange(start, stop, device=keys.device).view(1, 1, -1)
-            visible = (t <= positions.unsqueeze(-1)) & (t < lengths)
-            index_scores = index_scores.masked_fill(~visible, float("-inf"))
-            idx = t.expand_as(index_scores)
-            if best_values is not None:
-                assert best_idx is not None
-                index_scores = torch.cat([best_values, index_scores], dim=-1)
-                idx = torch.cat([best_idx, idx], dim=-1)
-            best_values, pick = index_scores.topk(min(k, index_scores.shape[-1]), dim=-1)
-            best_idx = idx.gather(-1, pick) if start else pick
-        assert best_values is not None and best_idx is not None
-        return torch.where(torch.isneginf(best_values), torch.full_like(best_idx, -1), best_idx)
+            keys_t = kv.index_keys(self.layer, start, stop).transpose(-1, -2).float().unsqueeze(1)  # [B, 1, d, tile]
+            t = torch.arange(start, stop, device=keys_t.device).view(1, 1, -1)
+            for i, (a, b) in enumerate(q_tiles):
+                scores = F.relu(torch.matmul(index_q[:, a:b].float(), keys_t) * self.idx_scale)  # [B, q, heads, tile]
+                index_scores = torch.matmul(head_w[:, a:b].unsqueeze(-2), scores).squeeze(-2)  # [B, q, tile]
+                visible = (t <= positions[:, a:b].unsqueeze(-1)) & (t < lengths)
+                index_scores = index_scores.masked_fill(~visible, float("-inf"))
+                idx = t.expand_as(index_scores)
+                prev = best[i]
+                if prev is not None:
+                    index_scores = torch.cat([prev[0], index_scores], dim=-1)
+                    idx = torch.cat([prev[1], idx], dim=-1)
+                values, pick = index_scores.topk(min(k, index_scores.shape[-1]), dim=-1)
+                best[i] = (values, idx.gather(-1, pick) if start else pick)
+        done = [pair for pair in best if pair is not None]
+        assert len(done) == len(best)
+        values_all = torch.cat([v for v, _ in done], dim=1) if len(done) > 1 else done[0][0]
+        idx_all = torch.cat([j for _, j in done], dim=1) if len(done) > 1 else done[0][1]
+        return torch.where(torch.isneginf(values_all), torch.full_like(idx_all, -1), idx_all)

@@ -30,11 +30,27 @@ class StepKV(Protocol):
         zeros where the position is −1."""
 
 
+class PrefillKV(StepKV, Protocol):
+    """A store one request's prefill runs over, chunk after chunk (``LocalKV``, or the engine's streamed store)."""
+
+    keys: dict[int, torch.Tensor]
+    """``{layer: [capacity, d]}``: the prompt's indexer keys."""
+
+    def begin(self, query_len: int) -> StepKV:
+        """Start a forward over the next ``query_len`` tokens (B = 1)."""
+
+    def end(self) -> None:
+        """Commit the forward's rows."""
+
+
 class LocalKV:
     """KV of one request held in plain tensors: used by prefill (chunk after chunk) and as the dense reference.
 
     ``rows [num_layers, capacity, row_dim]``; ``keys {layer: [capacity, d]}`` for indexer layers.
+    ``gather`` is a plain lookup, so attention may call it once per tile of queries (``query_tiled_gather``).
     """
+
+    query_tiled_gather = True
 
     def __init__(
         self, num_layers: int, indexer_layers: tuple[int, ...], capacity: int, row_dim: int, key_dim: int,

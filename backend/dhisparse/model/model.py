@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dhisparse.model.attention import IndexedMLA
 from dhisparse.model.config import ModelConfig
-from dhisparse.model.kv_view import LocalKV, StepKV
+from dhisparse.model.kv_view import LocalKV, PrefillKV, StepKV
 from dhisparse.model.layers import MoE, gated_mlp, rms_norm
 from dhisparse.model.rope import RotaryEmbedding
 from dhisparse.model.weights import load_state_dict, read_config
@@ -30,10 +30,11 @@ class ForwardOutput:
 @dataclass
 class PrefillOutput:
     """Result of prefilling one prompt of ``T`` tokens: the last position's logits ``[vocab]``, the prompt's
-    rows ``[num_layers, T, row_dim]``, indexer keys ``{layer: [T, d]}`` and captured hidden states ``[T, hidden]``."""
+    rows ``[num_layers, T, row_dim]`` (``None`` when a streamed store took them chunk by chunk), indexer keys
+    ``{layer: [T, d]}`` and captured hidden states ``[T, hidden]``."""
 
     logits: torch.Tensor
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     index_keys: dict[int, torch.Tensor]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     all_logits: torch.Tensor | None = None
@@ -119,15 +120,18 @@ class DSAModel:
         record_selections: bool = False,
         capacity: int | None = None,
         on_chunk: Callable[[int], None] | None = None,
+        store: PrefillKV | None = None,
     ) -> PrefillOutput:
         """Prefill one prompt chunk by chunk over a local KV; chunking bounds the attention workspace and does
         not change results (each chunk's queries see every earlier row). ``on_chunk(start)`` is called before each
-        chunk's forward (the engine's fault injection)."""
+        chunk's forward (the engine's fault injection). ``store`` replaces the default ``LocalKV`` of the whole
+        prompt (the engine streams rows into the KV hierarchy's host pages: ``engine/prefill_stream.py``)."""
         ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).view(-1)
         total = ids.numel()
         cfg = self.cfg
-        local = LocalKV(cfg.num_hidden_layers, cfg.indexer_layers, capacity or total, cfg.row_dim,
-                        cfg.index_head_dim, self.dtype, self.device)
+        local = store if store is not None else LocalKV(
+            cfg.num_hidden_layers, cfg.indexer_layers, capacity or total, cfg.row_dim, cfg.index_head_dim,
+            self.dtype, self.device)
         hidden: dict[int, list[torch.Tensor]] = {i: [] for i in capture_hidden}
         logits_parts: list[torch.Tensor] = []
         selections: dict[int, list[torch.Tensor]] = {}
@@ -149,7 +153,7 @@ class DSAModel:
         assert result is not None
         return PrefillOutput(
             logits=result.logits[0, -1],
-            rows=local.rows[:, :total],
+            rows=local.rows[:, :total] if isinstance(local, LocalKV) else None,
             index_keys={i: k[:total] for i, k in local.keys.items()},
             hidden={i: torch.cat(v) for i, v in hidden.items()},
             all_logits=torch.cat(logits_parts) if all_logits else None,

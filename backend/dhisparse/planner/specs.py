@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from dhisparse.kv.fp8 import fp8_row_bytes
+from dhisparse.kv.fp8 import fp8_key_bytes, fp8_row_bytes
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -196,7 +196,7 @@ GLM5 = ModelSpec(
     index_group_size=1,
     index_topk=2048,
     row_bytes=fp8_row_bytes(512, 64),  # FlashMLA's FP8 MLA row: 656 bytes (dhisparse.kv.fp8)
-    index_key_bytes=132,
+    index_key_bytes=fp8_key_bytes(128),  # DeepSeek-V3.2's FP8 indexer key: 132 bytes (dhisparse.kv.fp8)
     attn_heads=64 // 8,
     index_heads=32,
     index_head_dim=128,
@@ -229,7 +229,7 @@ DSV32 = ModelSpec(
     index_group_size=1,
     index_topk=2048,
     row_bytes=fp8_row_bytes(512, 64),  # FlashMLA's FP8 MLA row: 656 bytes (dhisparse.kv.fp8)
-    index_key_bytes=132,
+    index_key_bytes=fp8_key_bytes(128),  # DeepSeek-V3.2's FP8 indexer key: 132 bytes (dhisparse.kv.fp8)
     attn_heads=128 // 8,
     index_heads=64,
     index_head_dim=128,
