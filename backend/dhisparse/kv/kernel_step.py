@@ -59,8 +59,7 @@ def resolve_on_device(step: StepKV, manager: KVManager, source: int, positions: 
     flat = positions.reshape(batch, -1).contiguous()
     out = kernels.resolve_padded(flat, step.page_table[:, source], step.hot_pos[:, source],
                                  step.hot_stamp[:, source], step.hot_loc[:, source], step.stamp, page_rows)
-    step.hot_pos[:, source] = out["hot_pos"]
-    step.hot_stamp[:, source] = out["hot_stamp"]
+    step.store_hot(source, out["hot_pos"], out["hot_stamp"])
     step.counts += out["summary"][:, 3:6].to(torch.int64)
     n = flat.shape[1]
     resolution = Resolution(

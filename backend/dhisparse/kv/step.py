@@ -90,30 +90,38 @@ class StepKV:
         self.starts = torch.tensor([r.length for r in requests], dtype=torch.int64, device=device)
         self.lengths = self.starts + query_len
         self.max_length = max(r.length for r in requests) + query_len  # known on the host, no read
-        max_pages = max(r.page_table.shape[1] for r in requests)
         sources = manager.layout.num_sources
-        table = torch.full((len(requests), sources, max_pages), -1, dtype=torch.int64, device=device)
-        for b, r in enumerate(requests):
-            table[b, :, : r.page_table.shape[1]] = r.page_table
-        self.page_table = table
-        self.hot_pos = torch.stack([r.hot_pos for r in requests])  # [B, S, hot_rows]
-        self.hot_stamp = torch.stack([r.hot_stamp for r in requests])
-        self.hot_loc = torch.stack([r.hot_loc for r in requests])
-        if requests[0].host_pages is not None:
-            host = torch.full((len(requests), sources, max_pages), -1, dtype=torch.int64)
-            for b, r in enumerate(requests):
-                assert r.host_pages is not None
-                host[b, :, : r.host_pages.shape[1]] = r.host_pages
-            self.host_pages: torch.Tensor | None = host.to(device)
+        # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
+        # (updated in place), else one gather per tensor (hot-cache changes are scattered back at each resolve).
+        batch_state = manager.batch
+        self._batch = batch_state
+        slots = [r.slot for r in requests]
+        self.slots = slots
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            rows: slice | torch.Tensor = slice(slots[0], slots[0] + len(slots))
+            self._scatter: torch.Tensor | None = None
         else:
-            self.host_pages = None
+            rows = torch.tensor(slots, dtype=torch.int64, device=device)
+            self._scatter = rows
+        self._rows = rows
+        # The page table is the one snapshot a step takes (one copy of its rows, up to the widest request): a reclaim
+        # or a completed backup may unmap a page during the step while the step's readers still use it.
+        width = max(r.footprint.num_pages for r in requests)
+        table = batch_state.page_table[rows, :, :width].clone()
+        self.page_table = table  # [B, S, M]
+        self.hot_pos = batch_state.hot_pos[rows]  # [B, S, hot_rows]
+        self.hot_stamp = batch_state.hot_stamp[rows]
+        self.hot_loc = batch_state.hot_loc[rows]
+        self.host_pages: torch.Tensor | None = batch_state.host_pages[rows] if manager.policy.uses_host else None
+        self._hot_before: tuple[torch.Tensor, torch.Tensor] | None = None  # for abort_step (first resolve)
         # Arena rows of the new tokens: [B, S, Q].
         new_pos = self.starts.unsqueeze(1) + torch.arange(query_len, device=device)  # [B, Q]
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
+        self._key_index = (torch.arange(len(requests), device=device).unsqueeze(1), new_pos)  # [B, Q] of the keys
         self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
         self.staged = torch.zeros(len(requests), dtype=torch.int64, device=device)  # rows copied into staging
-        self.staging_loc = torch.stack([r.staging_loc for r in requests]).to(device)  # [B, G, T]
+        self.staging_loc = batch_state.staging_loc[rows]  # [B, G, T]
         self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
         self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
@@ -141,9 +149,12 @@ class StepKV:
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
                                  "are required for a layer with an indexer")
-            # One batched copy into every request's key tensor (views of the new positions).
-            torch._foreach_copy_([r.index_keys[layer][r.length : r.length + q] for r in self.requests],
-                                 list(index_keys.to(m.layout.dtype).unbind(0)))
+            # One indexed write into the batch state's keys of the step's slots.
+            keys = self._batch.index_keys[layer]
+            if self._scatter is None:
+                keys[self._rows].index_put_(self._key_index, index_keys.to(m.layout.dtype))
+            else:
+                keys.index_put_((self._scatter.unsqueeze(1), self._key_index[1]), index_keys.to(m.layout.dtype))
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
@@ -155,12 +166,13 @@ class StepKV:
         if layer not in m.indexer_layers:
             raise ValueError(f"layer {layer} has no indexer")
         stop = self.max_length if stop is None else stop
-        # Each request's keys up to its length (views), padded with zeros in one call.
-        parts = [r.index_keys[layer][start:max(start, min(r.length + self.query_len, stop))] for r in self.requests]
-        out = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
-        if out.shape[1] < stop - start:
-            out = torch.nn.functional.pad(out, (0, 0, 0, stop - start - out.shape[1]))
-        return out
+        # The slots' keys are zero past each request's length (batch-state invariant): a view of the batch state
+        # (consecutive slots) or one gather, no per-request work.
+        keys = self._batch.index_keys[layer]
+        if stop > keys.shape[1]:
+            raise ValueError(f"index_keys(layer {layer}): stop {stop} is past the batch state's "
+                             f"{keys.shape[1]} positions per slot")
+        return keys[self._rows, start:stop]
 
     # ------------------------------------------------------------------------------------------ gather
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
@@ -219,6 +231,7 @@ class StepKV:
         staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
         # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
         # so a step with verification staging resolves with the torch resolver (on the device as well).
+        self._snapshot_hot()
         if m.kernels.on_device and staging is None:
             kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
             self.resolver_calls += 1
@@ -229,8 +242,7 @@ class StepKV:
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
                       self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
         self.resolver_calls += 1
-        self.hot_pos[:, source] = res.hot_pos
-        self.hot_stamp[:, source] = res.hot_stamp
+        self.store_hot(source, res.hot_pos, res.hot_stamp)
         self.counts += res.counts
         self.staged += res.staged
         assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
@@ -272,6 +284,33 @@ class StepKV:
         self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
         self.resolver_calls += 1
         self._resolved[source] = _Resolved(positions, locations, None, slot, False)
+
+    def _snapshot_hot(self) -> None:
+        """Keep the hot state from before the step's first change (``abort_step`` restores it)."""
+        if self._hot_before is None:
+            self._hot_before = (self.hot_pos.clone(), self.hot_stamp.clone())
+
+    def store_hot(self, source: int, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
+        """A resolution's new hot state ``[B, hot_rows]`` of ``source``, written into the slots in place."""
+        self.hot_pos[:, source] = hot_pos
+        self.hot_stamp[:, source] = hot_stamp
+        if self._scatter is not None:  # the step's rows are a gathered copy: write through to the slots
+            self._batch.hot_pos[self._scatter, source] = hot_pos
+            self._batch.hot_stamp[self._scatter, source] = hot_stamp
+
+    def restore_hot_state(self) -> None:
+        """Roll back the step's hot-cache changes (``abort_step``): slots whose position changed are emptied
+        (their rows were refilled), the others get their position and stamp from before the step."""
+        if self._hot_before is None:
+            return
+        pos, stamp = self._hot_before
+        changed = self.hot_pos != pos
+        new_pos, new_stamp = pos.masked_fill(changed, -1), stamp.masked_fill(changed, 0)
+        self.hot_pos.copy_(new_pos)
+        self.hot_stamp.copy_(new_stamp)
+        if self._scatter is not None:
+            self._batch.hot_pos[self._scatter] = new_pos
+            self._batch.hot_stamp[self._scatter] = new_stamp
 
     def _flag(self, flag: int, broken: torch.Tensor, error: type[Exception]) -> None:
         """Record a check on the device; in debug mode read and raise it now (one counted read per check)."""
