@@ -45,7 +45,7 @@ from dhisparse.kv.host_sync import HostSync
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.request_state import RequestKV
 from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
-from dhisparse.kv.step import StepKV
+from dhisparse.kv.step import StepKV, StepParts
 from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
 
 if TYPE_CHECKING:
@@ -85,6 +85,8 @@ class KVManager:
         self._refill_cursor = 0
         self.step: StepKV | None = None
         self.batch = BatchState(layout, config, self.device)  # persistent per-slot state (kv/batch_state.py)
+        self.step_parts = StepParts(layout, self.pool, self.host, self.copies, self.batch, self.sync, kernels,
+                                    self.device, self.policy.uses_host, debug_checks, self.indexer_layers)
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
@@ -303,7 +305,7 @@ class KVManager:
         self.fence.begin()
         self.sync.mark_step()
         self._steps += 1
-        self.step = StepKV(self, reqs, query_len, stamp=self._steps)
+        self.step = StepKV(self.step_parts, reqs, query_len, stamp=self._steps)
         return self.step
 
     def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:

@@ -40,7 +40,30 @@ from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
 from dhisparse.kv.resolver import HotCacheOverflowError, resolve
 
 if TYPE_CHECKING:
-    from dhisparse.kv.manager import KVManager
+    from dhisparse.kernels.selection import KernelSelection
+    from dhisparse.kv.batch_state import BatchState
+    from dhisparse.kv.config import KVLayout
+    from dhisparse.kv.copies import CopyEngine
+    from dhisparse.kv.device_pool import DevicePool
+    from dhisparse.kv.host_store import HostStore
+    from dhisparse.kv.host_sync import HostSync
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What a step works with, handed over by the manager once (the step reads none of its private state)."""
+
+    layout: KVLayout
+    pool: DevicePool
+    host: HostStore
+    copies: CopyEngine
+    batch: BatchState  # persistent per-slot state (kv/batch_state.py)
+    sync: HostSync  # every host read of the step goes through it
+    kernels: KernelSelection
+    device: torch.device
+    uses_host: bool  # the policy keeps history in the host store
+    debug_checks: bool  # read and raise each check at once
+    indexer_layers: frozenset[int]
 
 
 @dataclass
@@ -80,8 +103,8 @@ class StepKV:
     query_len: ``Q``.
     """
 
-    def __init__(self, manager: KVManager, requests: list[RequestKV], query_len: int, stamp: int) -> None:
-        self._m = manager
+    def __init__(self, parts: StepParts, requests: list[RequestKV], query_len: int, stamp: int) -> None:
+        self._m = manager = parts
         self.requests = requests
         self.query_len = query_len
         self.stamp = stamp
@@ -112,7 +135,7 @@ class StepKV:
         self.hot_pos = batch_state.hot_pos[rows]  # [B, S, hot_rows]
         self.hot_stamp = batch_state.hot_stamp[rows]
         self.hot_loc = batch_state.hot_loc[rows]
-        self.host_pages: torch.Tensor | None = batch_state.host_pages[rows] if manager.policy.uses_host else None
+        self.host_pages: torch.Tensor | None = batch_state.host_pages[rows] if manager.uses_host else None
         self._hot_before: tuple[torch.Tensor, torch.Tensor] | None = None  # for abort_step (first resolve)
         # Arena rows of the new tokens: [B, S, Q].
         new_pos = self.starts.unsqueeze(1) + torch.arange(query_len, device=device)  # [B, Q]
