@@ -73,6 +73,7 @@ class _Resolved:
     ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
     staging_slot: int
     staged: bool  # rows may live in the staging slot
+    rows: torch.Tensor  # [B, X*K] arena row to gather for every entry (the pool's zero row where unused)
 
 # Error flags accumulated on the device during a step (read once, see ``report``).
 FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
@@ -91,7 +92,7 @@ def _history_direct(req: RequestKV) -> bool:
         return True
     if req.prompt_pages < req.tail_first:
         return False
-    state = req.opt_state[:, : req.tail_first]
+    state = req.opt_state.numpy()[:, : req.tail_first]  # CPU state: numpy is cheaper than torch at this size
     return bool(((state == OPT_READY) | (state == OPT_BACKING_UP)).all())
 
 
@@ -151,6 +152,8 @@ class StepKV:
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
         self._resolved: dict[int, _Resolved] = {}
+        # Direct resolutions' (positions, locations), checked and counted once per step in report().
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._tickets: list[CopyTicket] = []
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
@@ -201,9 +204,9 @@ class StepKV:
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows ``[B, X, K, row_dim]`` of the selected ``positions`` ``[B, X, K]`` int64 (``-1`` = unused
         slot, zeros returned there). Every selected position must be below ``lengths[b]``."""
-        loc = self.locations(layer, positions)
-        rows = self._m.layout.decode(self._m.pool.arena[loc.clamp(min=0)])
-        return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
+        entry = self._entry(layer, positions)
+        # Unused entries read the pool's zero row: one index, no mask.
+        return self._m.layout.decode(self._m.pool.arena[entry.rows]).view(*positions.shape, -1)
 
     def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
                softmax_scale: float) -> torch.Tensor | None:
@@ -217,12 +220,15 @@ class StepKV:
     def locations(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Arena rows ``[B, X, K]`` of the selected ``positions`` (``-1`` where unused), readable by work issued
         next on the current stream; resolves (and fetches) on first use per source and positions tensor."""
+        return self._entry(layer, positions).locations.view_as(positions)
+
+    def _entry(self, layer: int, positions: torch.Tensor) -> _Resolved:
         self._check_open()
         m = self._m
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
             raise ValueError(f"gather(layer {layer}): positions must be [{len(self.requests)}, X, K]")
-        positions = positions.to(m.device, torch.int64)
-        self._flag(FLAG_BAD_POSITION, (positions >= self.lengths.view(-1, 1, 1)).any(), ValueError)
+        if positions.device != m.device or positions.dtype != torch.int64:
+            positions = positions.to(m.device, torch.int64)
         source = m.layout.source_of_layer[layer]
         entry = self._lookup(source, positions)
         if entry is None:
@@ -234,7 +240,7 @@ class StepKV:
             entry = self._lookup(source, positions)
             assert entry is not None
         m.copies.wait_for_read(entry.ticket)
-        return entry.locations.view_as(positions)
+        return entry
 
     def _lookup(self, source: int, positions: torch.Tensor) -> _Resolved | None:
         entry = self._resolved.get(source)
@@ -248,8 +254,13 @@ class StepKV:
     def _resolve(self, source: int, positions: torch.Tensor, slot: int) -> None:
         m = self._m
         flat = positions.reshape(len(self.requests), -1)
-        if self.all_direct:
+        if self.all_direct and not m.debug_checks:
             self._resolve_direct(source, positions, flat, slot)
+            return
+        # Once per resolution (the layers reusing it pass the same positions).
+        self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
+        if self.all_direct:
+            self._resolve_direct_checked(source, positions, flat, slot)
             return
         staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
         # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
@@ -260,7 +271,8 @@ class StepKV:
             self.resolver_calls += 1
             if kticket is not None:
                 self._tickets.append(kticket)
-            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False)
+            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False,
+                                               self._gather_rows(kres.locations))
             return
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
                       self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
@@ -289,24 +301,50 @@ class StepKV:
             dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
             ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
             self._tickets.append(ticket)
-        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged)
+        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged,
+                                           self._gather_rows(res.locations))
+
+    def _gather_rows(self, locations: torch.Tensor) -> torch.Tensor:
+        return torch.where(locations >= 0, locations, self._m.pool.zero_row)
 
     def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
         """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
-        host at ``begin_step``): the same locations and counts as :func:`resolve`, which would find every
-        position direct and leave the hot cache untouched."""
+        host at ``begin_step``): the same locations as :func:`resolve`, which would find every position direct
+        and leave the hot cache untouched. Its checks (position past the length, unmapped page) and its counts
+        are deferred to :meth:`report`, done once for every direct resolution of the step."""
         page_rows = self._m.pool.page_rows
         table = self.page_table[:, source]
-        valid = flat >= 0
         safe = flat.clamp(min=0)
         page = table.gather(1, (safe // page_rows).clamp(max=table.shape[1] - 1))
-        self._flag(FLAG_UNMAPPED, (valid & (page < 0)).any(), RuntimeError)
-        locations = torch.where(valid, page * page_rows + safe % page_rows, -1)
-        ordered = torch.sort(torch.where(valid, flat, -1), dim=1).values  # unused entries first
+        loc = page * page_rows + safe % page_rows  # negative exactly where the page is unmapped
+        valid = flat >= 0
+        locations = torch.where(valid, loc, -1)
+        rows = torch.where(valid & (loc >= 0), loc, self._m.pool.zero_row)
+        self._deferred.append((flat, locations))
+        self.resolver_calls += 1
+        self._resolved[source] = _Resolved(positions, locations, None, slot, False, rows)
+
+    def _resolve_direct_checked(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
+        """:meth:`_resolve_direct` with its checks and counts done at once (``debug_checks``)."""
+        self._resolve_direct(source, positions, flat, slot)
+        self._settle_deferred()
+
+    def _settle_deferred(self) -> None:
+        """Check and count the direct resolutions so far, all in one set of operations: an unmapped page of a
+        valid entry is flagged; per request, the distinct valid positions of each resolution are counted as direct
+        rows (as :func:`resolve` does), summed over the resolutions."""
+        if not self._deferred:
+            return
+        offset = 1 << 40  # keeps positions of different resolutions distinct in one sort
+        flats = torch.cat([torch.where(f >= 0, f + i * offset, -1) for i, (f, _) in enumerate(self._deferred)], 1)
+        locs = torch.cat([loc for _, loc in self._deferred], dim=1)
+        raw = torch.cat([f for f, _ in self._deferred], dim=1)
+        self._deferred = []
+        self._flag(FLAG_BAD_POSITION, (raw >= self.lengths.view(-1, 1)).any(), ValueError)
+        self._flag(FLAG_UNMAPPED, ((locs < 0) & (raw >= 0)).any(), RuntimeError)
+        ordered = torch.sort(flats, dim=1).values  # unused entries (-1) first
         previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
         self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
-        self.resolver_calls += 1
-        self._resolved[source] = _Resolved(positions, locations, None, slot, False)
 
     def _snapshot_hot(self) -> None:
         """Keep the hot state from before the step's first change (``abort_step`` restores it)."""
@@ -347,6 +385,7 @@ class StepKV:
         """What ``end_step`` reads from the device, as one int64 vector: the per-request resolution counts
         ``[B, 3]`` (flattened), the per-request staged row counts ``[B]``, then the error flags. The engine may
         read it together with its sampled tokens (one transfer) and pass the values to ``end_step(report=...)``."""
+        self._settle_deferred()
         return torch.cat([self.counts.reshape(-1), self.staged, self.flags.to(torch.int64)])
 
     def check_report(self, values: list[int]) -> list[list[int]]:
@@ -363,6 +402,7 @@ class StepKV:
     def reset_checks(self) -> None:
         """Clear the step's device-side flags and counts (``abort_step``: nothing of a rolled-back step is
         reported)."""
+        self._deferred = []
         self.flags.zero_()
         self.counts.zero_()
         self.staged.zero_()
