@@ -143,11 +143,16 @@ class StepKV:
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
         self._key_index = (torch.arange(len(requests), device=device).unsqueeze(1), new_pos)  # [B, Q] of the keys
-        self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
-        self.staged = torch.zeros(len(requests), dtype=torch.int64, device=device)  # rows copied into staging
+        # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer.
+        nreq = len(requests)
+        self._report = torch.zeros(4 * nreq + len(_FLAG_MESSAGES), dtype=torch.int64, device=device)
+        self.counts = self._report[: 3 * nreq].view(nreq, 3)
+        self.staged = self._report[3 * nreq : 4 * nreq]  # rows copied into staging
         self.staging_loc = batch_state.staging_loc[rows]  # [B, G, T]
-        self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
+        self.flags = self._report[4 * nreq :]
         self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
+        # Arena rows each source's write goes to ([S, B*Q]; an unmapped row is flagged above).
+        self._write_rows = self.new_rows.clamp(min=0).transpose(0, 1).reshape(sources, -1)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
@@ -169,8 +174,7 @@ class StepKV:
             raise ValueError(f"write(layer {layer}): rows must be [{batch}, {q}, {m.layout.row_dim}], "
                              f"got {list(rows.shape)}")
         source = m.layout.source_of_layer[layer]
-        dst = self.new_rows[:, source, :].reshape(-1)
-        m.pool.arena.index_copy_(0, dst.clamp(min=0), m.layout.encode(rows.reshape(-1, rows.shape[-1])))
+        m.pool.arena.index_copy_(0, self._write_rows[source], m.layout.encode(rows.reshape(-1, rows.shape[-1])))
         if layer in m.indexer_layers:
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
@@ -316,10 +320,10 @@ class StepKV:
         table = self.page_table[:, source]
         safe = flat.clamp(min=0)
         page = table.gather(1, (safe // page_rows).clamp(max=table.shape[1] - 1))
-        loc = page * page_rows + safe % page_rows  # negative exactly where the page is unmapped
+        loc = page * page_rows + safe % page_rows  # negative exactly where the page is unmapped (flagged)
         valid = flat >= 0
         locations = torch.where(valid, loc, -1)
-        rows = torch.where(valid & (loc >= 0), loc, self._m.pool.zero_row)
+        rows = torch.where(valid, loc, self._m.pool.zero_row)
         self._deferred.append((flat, locations))
         self.resolver_calls += 1
         self._resolved[source] = _Resolved(positions, locations, None, slot, False, rows)
@@ -386,7 +390,7 @@ class StepKV:
         ``[B, 3]`` (flattened), the per-request staged row counts ``[B]``, then the error flags. The engine may
         read it together with its sampled tokens (one transfer) and pass the values to ``end_step(report=...)``."""
         self._settle_deferred()
-        return torch.cat([self.counts.reshape(-1), self.staged, self.flags.to(torch.int64)])
+        return self._report
 
     def check_report(self, values: list[int]) -> list[list[int]]:
         """Raise the first error flag set in ``values`` (from :meth:`report`); return per request
@@ -403,9 +407,7 @@ class StepKV:
         """Clear the step's device-side flags and counts (``abort_step``: nothing of a rolled-back step is
         reported)."""
         self._deferred = []
-        self.flags.zero_()
-        self.counts.zero_()
-        self.staged.zero_()
+        self._report.zero_()
 
     def wait_fetches(self) -> None:
         """Complete every host→device copy this step issued (called by ``end_step``)."""
