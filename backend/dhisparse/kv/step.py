@@ -339,13 +339,20 @@ class StepKV:
         rows (as :func:`resolve` does), summed over the resolutions."""
         if not self._deferred:
             return
-        offset = 1 << 40  # keeps positions of different resolutions distinct in one sort
-        flats = torch.cat([torch.where(f >= 0, f + i * offset, -1) for i, (f, _) in enumerate(self._deferred)], 1)
-        locs = torch.cat([loc for _, loc in self._deferred], dim=1)
-        raw = torch.cat([f for f, _ in self._deferred], dim=1)
-        self._deferred = []
+        deferred, self._deferred = self._deferred, []
+        raw = torch.cat([f for f, _ in deferred], dim=1) if len(deferred) > 1 else deferred[0][0]
+        locs = torch.cat([loc for _, loc in deferred], dim=1) if len(deferred) > 1 else deferred[0][1]
+        valid = raw >= 0
         self._flag(FLAG_BAD_POSITION, (raw >= self.lengths.view(-1, 1)).any(), ValueError)
-        self._flag(FLAG_UNMAPPED, ((locs < 0) & (raw >= 0)).any(), RuntimeError)
+        self._flag(FLAG_UNMAPPED, ((locs < 0) & valid).any(), RuntimeError)
+        # Positions of different resolutions kept distinct in one sort: resolution i adds i * 2^40.
+        sizes = [f.shape[1] for f, _ in deferred]
+        if len(set(sizes)) == 1:
+            offsets = torch.arange(0, len(deferred) << 40, 1 << 40, device=raw.device).repeat_interleave(sizes[0])
+        else:
+            offsets = torch.cat([torch.full((n,), i << 40, dtype=torch.int64, device=raw.device)
+                                 for i, n in enumerate(sizes)])
+        flats = torch.where(valid, raw + offsets, -1)
         ordered = torch.sort(flats, dim=1).values  # unused entries (-1) first
         previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
         self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
