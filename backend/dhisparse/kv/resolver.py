@@ -178,8 +178,7 @@ def resolve(
             "hot_rows (B) to at least the number of distinct rows one step can select"
         )
     key_max = torch.iinfo(torch.int64).max
-    evict_key = torch.where(hot_pos < 0, torch.full_like(hot_stamp, -1), hot_stamp)
-    evict_key = torch.where(hit_mask, torch.full_like(evict_key, key_max), evict_key)
+    evict_key = torch.where(hot_pos < 0, -1, hot_stamp).masked_fill_(hit_mask, key_max)
     evict_order = torch.sort(evict_key, dim=1, stable=True).indices
     miss_rank = torch.cumsum(miss_first.to(torch.int64), dim=1) - 1
     if num_slots > 0:
@@ -187,10 +186,15 @@ def resolve(
     else:
         victim = torch.zeros_like(safe_pos)
 
-    # Misses past the evictable slots go to verification staging, in ascending position order.
-    stage_rank = miss_rank - num_candidates.unsqueeze(1)
-    staged = miss & (stage_rank >= 0)
-    cached_miss_first = miss_first & ~staged
+    # Misses past the evictable slots go to verification staging, in ascending position order. Without staging
+    # there are none (more misses than evictable slots is an overflow: raised here, or flagged on the device and
+    # raised at end_step, whose abort restores the hot caches).
+    if num_staging > 0:
+        stage_rank = miss_rank - num_candidates.unsqueeze(1)
+        staged = miss & (stage_rank >= 0)
+        cached_miss_first = miss_first & ~staged
+    else:
+        staged, cached_miss_first = torch.zeros_like(miss), miss_first
 
     # Locations in sorted order, then back to the caller's order.
     slot = torch.where(hot, hit_slot, victim)
