@@ -92,3 +92,23 @@ def test_hot_cache_changes_land_in_the_slots_during_the_step(shuffle: bool) -> N
     m.abort_step()
     assert bool((m.batch.hot_pos[slots] == -1).all())  # every slot the step filled is emptied
     m.check_invariants()
+
+
+def test_engine_allocates_the_batch_state_once_within_pool_plus_workspace_bound(tiny_engine) -> None:
+    """The engine sizes the batch state from max_batch_size and max_model_len at start; the KV side's persistent
+    device bytes (arena + batch state) stay within pool_bytes + the printed workspace bound, and generating does
+    not change them."""
+    from tiny_models import random_prompts
+
+    from dhisparse import LLM, SamplingParams
+
+    pool = 1 << 20
+    llm = LLM(tiny_engine("glm_fsfs_sparse", "float32"), kv_policy="adaptive", max_batch_size=2,
+              prefill_chunk_tokens=32, page_rows=16, pool_bytes=pool, max_model_len=320)
+    kv = llm.engine.kv
+    assert kv.batch.fixed and kv.batch.num_slots == 2 and kv.batch.pages_per_slot == 20
+    before = kv.batch.nbytes
+    assert kv.pool.arena.nbytes + before <= pool + llm.engine.workspace.total_bytes
+    llm.generate(random_prompts([40, 70, 25], 96, seed=4), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert kv.batch.nbytes == before and llm.stats()["kv_batch_state_bytes"] == before
+    kv.check_invariants()
