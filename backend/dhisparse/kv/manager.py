@@ -85,8 +85,6 @@ class KVManager:
         self._refill_cursor = 0
         self.step: StepKV | None = None
         self.batch = BatchState(layout, config, self.device)  # persistent per-slot state (kv/batch_state.py)
-        self.step_parts = StepParts(layout, self.pool, self.host, self.copies, self.batch, self.sync, kernels,
-                                    self.device, self.policy.uses_host, debug_checks, self.indexer_layers)
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
@@ -305,8 +303,13 @@ class KVManager:
         self.fence.begin()
         self.sync.mark_step()
         self._steps += 1
-        self.step = StepKV(self.step_parts, reqs, query_len, stamp=self._steps)
+        self.step = StepKV(self.step_parts(), reqs, query_len, stamp=self._steps)
         return self.step
+
+    def step_parts(self) -> StepParts:
+        """What a step works with (built per step, so a kernel selection or debug mode set later applies)."""
+        return StepParts(self.layout, self.pool, self.host, self.copies, self.batch, self.sync, self.kernels,
+                         self.device, self.policy.uses_host, self.debug_checks, self.indexer_layers)
 
     def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
         """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest.
