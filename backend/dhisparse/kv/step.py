@@ -86,6 +86,18 @@ _FLAG_MESSAGES = (
 )
 
 
+_SOURCE_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _source_index(sources: list[int], device: torch.device) -> torch.Tensor:
+    """The sources of an index group as an index tensor on ``device`` (made once per group)."""
+    key = (tuple(sources), device)
+    index = _SOURCE_INDEX.get(key)
+    if index is None:
+        index = _SOURCE_INDEX[key] = torch.tensor(sources, dtype=torch.int64, device=device)
+    return index
+
+
 def _history_direct(req: RequestKV) -> bool:
     """Whether every page before the tail is a mapped optional page (host-side state only)."""
     if req.tail_first == 0:
@@ -237,10 +249,17 @@ class StepKV:
         entry = self._lookup(source, positions)
         if entry is None:
             # Resolve this source and (for a group leader) the group's other sources, prefetching theirs.
+            todo: dict[int, int] = {}  # source -> staging slot
             for other in m.layout.group_of_layer(layer):
                 other_source = m.layout.source_of_layer[other]
-                if self._lookup(other_source, positions) is None:
-                    self._resolve(other_source, positions, m.layout.staging_slot_of_layer(other))
+                if other_source not in todo and self._lookup(other_source, positions) is None:
+                    todo[other_source] = m.layout.staging_slot_of_layer(other)
+            if len(todo) > 1 and not m.debug_checks and (self.all_direct or (
+                    not self.staging_loc.shape[2] and not m.kernels.on_device)):
+                self._resolve_group(list(todo.items()), positions)  # the group's sources in one resolution
+            else:
+                for other_source, slot in todo.items():
+                    self._resolve(other_source, positions, slot)
             entry = self._lookup(source, positions)
             assert entry is not None
         m.copies.wait_for_read(entry.ticket)
@@ -307,6 +326,71 @@ class StepKV:
             self._tickets.append(ticket)
         self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged,
                                            self._gather_rows(res.locations))
+
+    def _resolve_group(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
+        """Resolve several sources selected by the same ``positions`` at once: their rows are stacked along the
+        resolver's request dimension (``[G*B, ...]``, source-major), so one resolution (and one fetch) serves the
+        group — the resolver treats rows independently, so each source's result is what its own call would give.
+        Used for direct steps and for steps without verification staging on the torch resolver."""
+        m, batch = self._m, len(self.requests)
+        sources = [s for s, _ in todo]
+        groups = len(sources)
+        index = _source_index(sources, m.device)
+        flat = positions.reshape(batch, -1)
+        page_rows = m.pool.page_rows
+        if self.all_direct:
+            table = self.page_table[:, index]  # [B, G, M]
+            safe = flat.clamp(min=0)
+            pidx = (safe // page_rows).clamp(max=table.shape[2] - 1)
+            page = table.gather(2, pidx.unsqueeze(1).expand(-1, groups, -1))
+            loc = page * page_rows + (safe % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
+            valid = (flat >= 0).unsqueeze(1)
+            locations = torch.where(valid, loc, -1)  # [B, G, N]
+            rows = torch.where(valid, loc, m.pool.zero_row)
+            for g, (source, slot) in enumerate(todo):
+                self._deferred.append((flat, locations[:, g]))
+                self._resolved[source] = _Resolved(positions, locations[:, g], None, slot, False, rows[:, g])
+            self.resolver_calls += groups
+            return
+        self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
+        self._snapshot_hot()
+
+        def stacked(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G*B, X] of the group's sources
+            return t[:, index].transpose(0, 1).reshape(groups * batch, -1)
+
+        res = resolve(flat.repeat(groups, 1), stacked(self.page_table), stacked(self.hot_pos),
+                      stacked(self.hot_stamp), stacked(self.hot_loc), self.stamp, page_rows, None, on_device=True)
+        self.resolver_calls += groups
+        hot_rows = self.hot_pos.shape[2]
+        self._store_hot_sources(index, res.hot_pos.view(groups, batch, hot_rows).transpose(0, 1),
+                                res.hot_stamp.view(groups, batch, hot_rows).transpose(0, 1))
+        self.counts += res.counts.view(groups, batch, 3).sum(0)
+        assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
+        self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
+        tickets: list[CopyTicket | None] = [None] * groups
+        if self.host_pages is not None:  # fixed-shape copy lists (see _resolve), one copy per source
+            mask, pos = res.fetch_mask, res.fetch_position
+            host_pages = stacked(self.host_pages)
+            page = host_pages.gather(1, (pos // page_rows).clamp(max=host_pages.shape[1] - 1))
+            src = torch.where(mask, m.host.rows_of(page, pos), 0).view(groups, -1)
+            assert res.fetch_location is not None
+            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).view(groups, -1)
+            # Separate copies keep the prefetch: the leader's attention waits only for its own source's rows.
+            for g in range(groups):
+                tickets[g] = m.copies.issue("fetch", m.pool.arena, dst[g], m.host.rows, src[g])
+                self._tickets.append(tickets[g])
+        locations = res.locations.view(groups, batch, -1)
+        rows = self._gather_rows(locations)
+        for g, (source, slot) in enumerate(todo):
+            self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False, rows[g])
+
+    def _store_hot_sources(self, index: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
+        """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""
+        self.hot_pos[:, index] = hot_pos
+        self.hot_stamp[:, index] = hot_stamp
+        if self._scatter is not None:
+            self._batch.hot_pos[self._scatter.unsqueeze(1), index] = hot_pos
+            self._batch.hot_stamp[self._scatter.unsqueeze(1), index] = hot_stamp
 
     def _gather_rows(self, locations: torch.Tensor) -> torch.Tensor:
         return torch.where(locations >= 0, locations, self._m.pool.zero_row)
