@@ -38,14 +38,15 @@ def _time_decode(llm, prompts: list[list[int]], decode_steps: int) -> tuple[floa
     return t1 - t0, max((t2 - t1) - (t1 - t0), 1e-9)
 
 
-def bench(engine: Path, name: str, repeats: int, prompt_len: int, decode_steps: int) -> None:
+def bench(engine: Path, name: str, repeats: int, prompt_len: int, decode_steps: int, page_rows: int = 0) -> None:
     from dhisparse import LLM
 
-    llms = {p: LLM(engine, kv_policy=p, max_batch_size=8, pool_bytes=256 << 20) for p in POLICIES}
+    extra = {"page_rows": page_rows} if page_rows else {}
+    llms = {p: LLM(engine, kv_policy=p, max_batch_size=8, pool_bytes=256 << 20, **extra) for p in POLICIES}
     layers = llms["dense"].engine.model.cfg.num_hidden_layers
     vocab = llms["dense"].vocab_size
     print(f"\nmodel {name} ({layers} layers): prompt {prompt_len} tokens, {decode_steps} decode steps, "
-          f"median of {repeats}")
+          f"page_rows {llms['adaptive'].engine.cfg.page_rows}, median of {repeats}")
     print(f"{'batch':>5s} {'kv policy':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'vs dense':>9s} "
           f"{'KV overhead / layer / step':>27s}")
     for batch in (1, 8):
@@ -79,10 +80,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--page-rows", type=int, default=0,
+                    help="KV page size (0: the default); with pages smaller than the decode steps, decode pages leave "
+                         "the tail and every later step runs the full resolver (hot cache, host fetches)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.engine is not None:
-        bench(args.engine, str(args.engine), args.repeats, args.prompt_len, args.decode_steps)
+        bench(args.engine, str(args.engine), args.repeats, args.prompt_len, args.decode_steps, args.page_rows)
         return
     from tiny_models import make_checkpoint
 
@@ -92,7 +96,7 @@ def main() -> None:
     for name in args.models:
         engine = build_engine(BuildOptions(make_checkpoint(tmp, name), tmp / f"engine-{name}", {"dtype": "float32"}),
                               progress=lambda d, t: None)
-        bench(engine, name, args.repeats, args.prompt_len, args.decode_steps)
+        bench(engine, name, args.repeats, args.prompt_len, args.decode_steps, args.page_rows)
 
 
 if __name__ == "__main__":

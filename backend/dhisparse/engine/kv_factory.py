@@ -32,6 +32,9 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         policy=cfg.kv_policy, pool_bytes=cfg.pool_bytes, hot_rows=cfg.hot_rows, page_rows=cfg.page_rows,
         reserve_bytes=cfg.reserve_bytes, refill_pages_per_step=cfg.refill_pages_per_step,
         max_query_len=max_query_len, draft_ring_bytes=draft_ring_bytes, host_bytes=cfg.host_bytes,
+        # The persistent batch state (kv/batch_state.py) is allocated once for these.
+        max_batch_size=cfg.max_batch_size,
+        max_model_len=min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings),
     )
     return KVManager(layout, kv_cfg, device, kernels=kernels)
 

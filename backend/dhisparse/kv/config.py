@@ -236,6 +236,10 @@ class KVConfig:
         host_bytes: capacity of the host store in bytes (``0``: half of the machine's physical memory). Every
             admitted request of a host-backed policy owns host pages for its whole capacity; an admission waits
             while they are not free.
+        max_batch_size: the most requests admitted at once (slots of the persistent batch state,
+            ``kv/batch_state.py``); 0 = grow on demand.
+        max_model_len: the most tokens of one request (positions per slot of the batch state); 0 = grow on demand.
+            With both set the batch state is allocated once, at start.
     """
 
     policy: str = defaults.KV_POLICY
@@ -249,6 +253,8 @@ class KVConfig:
     staging_share: float = 1.0
     model_state_bytes: int = 0
     host_bytes: int = 0
+    max_batch_size: int = 0
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         policy_named(self.policy, "kv policy", KV_POLICIES)
@@ -270,6 +276,9 @@ class KVConfig:
             raise ConfigError(f"model_state_bytes must be >= 0, got {self.model_state_bytes}")
         if self.host_bytes < 0:
             raise ConfigError(f"host_bytes must be >= 0 (0: from the machine's memory), got {self.host_bytes}")
+        if self.max_batch_size < 0 or self.max_model_len < 0:
+            raise ConfigError(f"max_batch_size and max_model_len must be >= 0 (0: grow on demand), got "
+                              f"{self.max_batch_size}, {self.max_model_len}")
         if self.max_query_len < 1:
             raise ConfigError(f"max_query_len must be >= 1, got {self.max_query_len}")
 

@@ -17,7 +17,7 @@ class DevicePool:
     """Device arena of ``num_pages * page_rows`` rows and the byte accounting of everything on device.
 
     Contract:
-        - ``arena`` is ``[num_pages * page_rows + 1, storage_dim]`` of the layout's storage dtype (the model
+        - ``arena`` is ``[num_pages * page_rows + 2, storage_dim]`` of the layout's storage dtype (the model
           dtype, or ``uint8`` bytes for FP8 rows); a *location* is a row index into it, page ``p`` is rows
           ``p*page_rows .. (p+1)*page_rows - 1``.
         - ``allocate`` hands out the lowest free page ids (deterministic); ``free`` returns them. Freed pages
@@ -29,7 +29,8 @@ class DevicePool:
         - The arena itself is sized ``pool_bytes // page_bytes`` pages, an upper bound: the accounting also
           counts metadata that lives outside it, so the pages in use never exceed it. One further row,
           :attr:`scratch_row`, follows the pages: fixed-shape copy lists send the entries that copy nothing
-          there, and no location ever points at it.
+          there, and no location ever points at it; the last, :attr:`zero_row`, is always zero (a step gathers
+          unused selection entries from it, so a gather is one index with no mask).
     """
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device, poison_freed: bool = False):
@@ -39,7 +40,8 @@ class DevicePool:
         self.reserve_bytes = config.reserve_bytes
         self.num_pages = config.pool_bytes // self.page_bytes
         self.scratch_row = self.num_pages * config.page_rows
-        self.arena = torch.zeros(self.scratch_row + 1, layout.storage_dim, dtype=layout.storage_dtype, device=device)
+        self.zero_row = self.scratch_row + 1
+        self.arena = torch.zeros(self.scratch_row + 2, layout.storage_dim, dtype=layout.storage_dtype, device=device)
         self.poison_freed = poison_freed
         self._free: list[int] = list(range(self.num_pages))
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)

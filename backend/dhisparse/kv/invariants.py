@@ -65,6 +65,7 @@ def check_manager_invariants(m: KVManager) -> None:
                          [torch.zeros(0, dtype=torch.int64)])
         if host.unique().numel() != host.numel() or host.numel() != m.host.used_pages:
             _fail("host ownership", f"{m.host.used_pages} host pages used, {host.numel()} owned")
+    _check_slots(m)
     for req in m.requests.values():
         _check_request(m, req)
     if not alive and not m.waiting:
@@ -72,6 +73,38 @@ def check_manager_invariants(m: KVManager) -> None:
             _fail("empty pool", "no request is alive but the pool is not empty")
         if m.host.used_pages:
             _fail("empty pool", "no request is alive but host pages are in use")
+
+
+def _check_slots(m: KVManager) -> None:
+    """Persistent batch state: every running request owns one slot and its state tensors are views of that slot;
+    free slots are empty; indexer keys are zero past each request's length (between steps)."""
+    batch = m.batch
+    used = [r.slot for r in m.requests.values()]
+    if len(set(used)) != len(used) or any(not 0 <= s < batch.num_slots for s in used):
+        _fail("batch slots", f"running requests hold slots {sorted(used)} (of {batch.num_slots})")
+    if set(used) & set(batch.free_slots) or len(used) + len(batch.free_slots) != batch.num_slots:
+        _fail("batch slots", f"used slots {sorted(used)} and free slots {sorted(batch.free_slots)} do not "
+                             f"partition {batch.num_slots}")
+    for req in m.requests.values():
+        slot = req.slot
+        if batch.owner[slot] != req.request_id:
+            _fail("batch slots", f"{req.request_id}: slot {slot} belongs to {batch.owner[slot]!r}")
+        views = [(req.page_table, batch.page_table), (req.hot_pos, batch.hot_pos),
+                 (req.hot_stamp, batch.hot_stamp), (req.hot_loc, batch.hot_loc)]
+        views += [(req.index_keys[layer], keys) for layer, keys in batch.index_keys.items()]
+        if any(view.data_ptr() != full[slot].data_ptr() for view, full in views):
+            _fail("batch slots", f"{req.request_id}: its state is not a view of slot {slot}")
+        if m.step is None:
+            for keys in req.index_keys.values():
+                if bool(keys[req.length:].any()):
+                    _fail("batch slots", f"{req.request_id}: indexer keys past the length are not zero")
+    free = batch.free_slots
+    if free:
+        empty = [bool((batch.page_table[free] < 0).all()), bool((batch.hot_pos[free] < 0).all()),
+                 bool((batch.host_pages[free] < 0).all()),
+                 *(not bool(keys[free].any()) for keys in batch.index_keys.values())]
+        if not all(empty):
+            _fail("batch slots", f"a free slot of {sorted(free)} is not empty")
 
 
 def _check_request(m: KVManager, req: RequestKV) -> None:

@@ -31,8 +31,7 @@ from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
 
 if TYPE_CHECKING:
     from dhisparse.kv.copies import CopyTicket
-    from dhisparse.kv.manager import KVManager
-    from dhisparse.kv.step import StepKV
+    from dhisparse.kv.step import StepKV, StepParts
 
 
 # Host page ids of each open step's requests on the device ([B, S, M]), moved once per step, not per source.
@@ -48,7 +47,7 @@ def _device_host_pages(step: StepKV, device: torch.device) -> torch.Tensor:
     return pages
 
 
-def resolve_on_device(step: StepKV, manager: KVManager, source: int, positions: torch.Tensor
+def resolve_on_device(step: StepKV, manager: StepParts, source: int, positions: torch.Tensor
                       ) -> tuple[Resolution, CopyTicket | None]:
     """Resolve ``positions [B, X, K]`` of ``source`` with the resolver kernel and issue the host fetch of
     its misses with the row-copy kernel. Updates ``step.hot_pos`` / ``hot_stamp`` / ``counts`` like the torch
@@ -59,8 +58,7 @@ def resolve_on_device(step: StepKV, manager: KVManager, source: int, positions: 
     flat = positions.reshape(batch, -1).contiguous()
     out = kernels.resolve_padded(flat, step.page_table[:, source], step.hot_pos[:, source],
                                  step.hot_stamp[:, source], step.hot_loc[:, source], step.stamp, page_rows)
-    step.hot_pos[:, source] = out["hot_pos"]
-    step.hot_stamp[:, source] = out["hot_stamp"]
+    step.store_hot(source, out["hot_pos"], out["hot_stamp"])
     step.counts += out["summary"][:, 3:6].to(torch.int64)
     n = flat.shape[1]
     resolution = Resolution(
@@ -112,7 +110,7 @@ def _per_chunk(launch: Callable[..., None], host: object) -> Callable[..., None]
     return run
 
 
-def attend(manager: KVManager, locations: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+def attend(manager: StepParts, locations: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
            softmax_scale: float) -> torch.Tensor | None:
     """``out_lat [B, Q, H, rank]`` of sparse MLA over arena rows ``locations [B, Q, K]`` by the selected
     kernel, or ``None`` when the selection has no device kernel for these dtypes (the model computes it)."""

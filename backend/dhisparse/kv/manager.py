@@ -35,6 +35,7 @@ import torch
 
 from dhisparse.kv import history_import as history_host
 from dhisparse.kv import residency
+from dhisparse.kv.batch_state import BatchState
 from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
 from dhisparse.kv.copies import CopyEngine, CopyError, CopyTicket, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
@@ -44,7 +45,7 @@ from dhisparse.kv.host_sync import HostSync
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.request_state import RequestKV
 from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
-from dhisparse.kv.step import StepKV
+from dhisparse.kv.step import StepKV, StepParts
 from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class KVManager:
         self._steps = 0
         self._refill_cursor = 0
         self.step: StepKV | None = None
+        self.batch = BatchState(layout, config, self.device)  # persistent per-slot state (kv/batch_state.py)
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
@@ -200,26 +202,27 @@ class KVManager:
             assert taken is not None, "try_admit checked the free host pages"
             host_pages = taken.view(sources, -1)
         prompt_pages = self.policy.optional_prompt_pages(prompt_len, cfg.page_rows)
+        slot = self.batch.acquire(request_id, fp.num_pages, list(self.requests.values()))
         req = RequestKV(
             request_id=request_id, prompt_len=prompt_len, max_new_tokens=max_new_tokens, footprint=fp,
-            admit_order=self._admissions,
-            page_table=torch.full((sources, fp.num_pages), -1, dtype=torch.int64, device=dev),
+            admit_order=self._admissions, slot=slot,
+            page_table=self.batch.page_table[slot, :, : fp.num_pages],
             tail_ring=pages[:, : fp.tail_pages].contiguous(), hot_pages=hot_pages,
-            hot_pos=torch.full((sources, hot_rows), -1, dtype=torch.int64, device=dev),
-            hot_stamp=torch.zeros((sources, hot_rows), dtype=torch.int64, device=dev),
-            hot_loc=hot_loc.to(dev), host_pages=host_pages,
+            hot_pos=self.batch.hot_pos[slot], hot_stamp=self.batch.hot_stamp[slot], hot_loc=self.batch.hot_loc[slot],
+            host_pages=host_pages,
             host_state=torch.zeros((sources, fp.num_pages), dtype=torch.int8),
             opt_state=torch.zeros((sources, prompt_pages), dtype=torch.int8),
             opt_page=torch.full((sources, prompt_pages), -1, dtype=torch.int64),
             opt_retire_epoch=torch.zeros((sources, prompt_pages), dtype=torch.int64),
-            index_keys={
-                layer: torch.zeros(fp.capacity_rows, layout.key_storage_dim, dtype=layout.key_storage_dtype,
-                                   device=dev)
-                for layer in layout.indexer_layers
-            },
+            index_keys={},
             ring_free_epoch=torch.zeros(fp.tail_pages, dtype=torch.int64),
-            staging_pages=staging_pages, staging_loc=staging_loc,
+            staging_pages=staging_pages,
         )
+        self.batch.bind(req)  # the state tensors are views of the slot (free slots are empty)
+        self.batch.hot_loc[slot] = hot_loc.to(dev)
+        self.batch.staging_loc[slot] = staging_loc
+        if host_pages is not None:
+            self.batch.host_pages[slot, :, : fp.num_pages] = host_pages.to(dev)
         self._admissions += 1
         self.requests[request_id] = req
         self.counters["admissions"] += 1
@@ -300,8 +303,13 @@ class KVManager:
         self.fence.begin()
         self.sync.mark_step()
         self._steps += 1
-        self.step = StepKV(self, reqs, query_len, stamp=self._steps)
+        self.step = StepKV(self.step_parts(), reqs, query_len, stamp=self._steps)
         return self.step
+
+    def step_parts(self) -> StepParts:
+        """What a step works with (built per step, so a kernel selection or debug mode set later applies)."""
+        return StepParts(self.layout, self.pool, self.host, self.copies, self.batch, self.sync, self.kernels,
+                         self.device, self.policy.uses_host, self.debug_checks, self.indexer_layers)
 
     def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
         """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest.
@@ -323,12 +331,11 @@ class KVManager:
             if not 0 <= keep <= q:
                 raise ValueError(f"accepted[{req.request_id!r}] = {keep} is outside 0 .. {q}")
             start = req.length
-            for keys in req.index_keys.values():
-                keys[start + keep : start + q] = 0
             req.length = start + keep
-            unmap_rejected(req, start + q, self.config.page_rows)
-            req.hot_pos.copy_(step.hot_pos[b])
-            req.hot_stamp.copy_(step.hot_stamp[b])
+            if keep < q:  # rejected rows: their keys and tail pages go (the hot cache is the slot's, in place)
+                for keys in req.index_keys.values():
+                    keys[start + keep : start + q] = 0
+                unmap_rejected(req, start + q, self.config.page_rows)
             direct, hot, host, staged = (float(v) for v in counts[b])
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
                                 ("rows_staged", staged),
@@ -360,14 +367,12 @@ class KVManager:
             step.wait_fetches()
         except CopyError:
             pass  # the failed copy has left the queue; the slots it targeted are emptied below
-        for b, req in enumerate(step.requests):
+        for req in step.requests:
             start = req.length
             for keys in req.index_keys.values():
                 keys[start : start + step.query_len] = 0
             unmap_rejected(req, start + step.query_len, self.config.page_rows)
-            changed = step.hot_pos[b] != req.hot_pos
-            req.hot_pos.masked_fill_(changed, -1)
-            req.hot_stamp.masked_fill_(changed, 0)
+        step.restore_hot_state()  # slots this step refilled are emptied, the others keep their old state
         step.reset_checks()  # the rolled-back step's device flags and counts are never reported
         step.closed = True
         self.step = None
@@ -432,6 +437,9 @@ class KVManager:
         if self.step is not None and any(r is req for r in self.step.requests):
             raise RuntimeError(f"request {request_id!r} is part of the open step; end the step first")
         del self.requests[request_id]
+        slot = req.slot
+        self.batch.detach(req)  # private copies for what the release still reads; the slot is free at once
+        self.batch.release(slot)
         self.releasing.append((req, self.fence.issued))
         self.counters["releases"] += 1
         self._free_safe()
@@ -472,6 +480,8 @@ class KVManager:
         out["host_pages"] = float(self.host.num_pages)
         out["host_bytes_allocated"] = float(self.host.rows.nbytes)
         out["host_syncs"] = float(self.sync.reads)
+        out["batch_state_bytes"] = float(self.batch.nbytes)
+        out["batch_slots_used"] = float(self.batch.num_slots - len(self.batch.free_slots))
         out.update(self.kernels.stats())
         return {f"kv_{name}": value for name, value in out.items()}
 

@@ -45,7 +45,7 @@ class RequestKV:
     max_new_tokens: int
     footprint: Footprint
     admit_order: int
-    page_table: torch.Tensor  # [S, num_pages] int64, device
+    page_table: torch.Tensor  # [S, num_pages] int64, device (a view of the batch state's slot)
     tail_ring: torch.Tensor  # [S, tail_pages] int64 arena pages, CPU
     hot_pages: torch.Tensor  # [S, hot_pages] int64 arena pages backing the hot cache, CPU
     hot_pos: torch.Tensor  # [S, B] int64, device
@@ -56,7 +56,7 @@ class RequestKV:
     opt_state: torch.Tensor  # [S, prompt_pages] int8, CPU
     opt_page: torch.Tensor  # [S, prompt_pages] int64 arena page or -1, CPU
     opt_retire_epoch: torch.Tensor  # [S, prompt_pages] int64, CPU
-    index_keys: dict[int, torch.Tensor]  # layer -> [capacity_rows, index_key_dim], device
+    index_keys: dict[int, torch.Tensor]  # layer -> [capacity_rows, index_key_dim], device (slot views)
     length: int = 0  # accepted rows (prompt + kept decode rows)
     imported: bool = False
     tail_first: int = 0  # first page index still in the tail
@@ -69,6 +69,7 @@ class RequestKV:
     stats: dict[str, float] = field(default_factory=dict)
     retired_pending: bool = False  # some optional page is RETIRED (waiting for its readers)
     may_refill: bool = False  # some optional page may be ABSENT with a valid host copy
+    slot: int = -1  # slot in the persistent batch state (kv/batch_state.py); -1 once released
 
     @property
     def num_sources(self) -> int:

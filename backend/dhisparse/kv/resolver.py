@@ -120,7 +120,7 @@ def resolve(
 
     ``on_device=True`` is the step's path: no value is read on the host (no overflow check, which the caller
     reads later from ``overflow``; no compacted copy list, whose ``copy_*`` fields are then empty — use the
-    ``fetch_*`` fields)."""
+    ``fetch_*`` fields); ``steps`` is empty too (the step does not use it)."""
     if positions.dim() != 2 or page_table.dim() != 2 or hot_pos.dim() != 2:
         raise ValueError("positions, page_table and hot_pos must be 2-D [R, ...] tensors")
     num_requests = positions.shape[0]
@@ -178,8 +178,7 @@ def resolve(
             "hot_rows (B) to at least the number of distinct rows one step can select"
         )
     key_max = torch.iinfo(torch.int64).max
-    evict_key = torch.where(hot_pos < 0, torch.full_like(hot_stamp, -1), hot_stamp)
-    evict_key = torch.where(hit_mask, torch.full_like(evict_key, key_max), evict_key)
+    evict_key = torch.where(hot_pos < 0, -1, hot_stamp).masked_fill_(hit_mask, key_max)
     evict_order = torch.sort(evict_key, dim=1, stable=True).indices
     miss_rank = torch.cumsum(miss_first.to(torch.int64), dim=1) - 1
     if num_slots > 0:
@@ -187,10 +186,15 @@ def resolve(
     else:
         victim = torch.zeros_like(safe_pos)
 
-    # Misses past the evictable slots go to verification staging, in ascending position order.
-    stage_rank = miss_rank - num_candidates.unsqueeze(1)
-    staged = miss & (stage_rank >= 0)
-    cached_miss_first = miss_first & ~staged
+    # Misses past the evictable slots go to verification staging, in ascending position order. Without staging
+    # there are none (more misses than evictable slots is an overflow: raised here, or flagged on the device and
+    # raised at end_step, whose abort restores the hot caches).
+    if num_staging > 0:
+        stage_rank = miss_rank - num_candidates.unsqueeze(1)
+        staged = miss & (stage_rank >= 0)
+        cached_miss_first = miss_first & ~staged
+    else:
+        staged, cached_miss_first = torch.zeros_like(miss), miss_first
 
     # Locations in sorted order, then back to the caller's order.
     slot = torch.where(hot, hit_slot, victim)
@@ -200,11 +204,14 @@ def resolve(
         stage_loc = staging_loc.gather(1, stage_rank.clamp(min=0, max=num_staging - 1))
         slot_loc = torch.where(staged, stage_loc, slot_loc)
     loc_sorted = torch.where(direct, direct_loc, torch.where(valid, slot_loc, -1))
-    step_sorted = torch.where(
-        direct, STEP_DIRECT, torch.where(hot, STEP_HOT, torch.where(miss, STEP_HOST, STEP_UNUSED))
-    ).to(torch.int8)
     locations = torch.empty_like(loc_sorted).scatter_(1, perm, loc_sorted)
-    steps = torch.empty_like(step_sorted).scatter_(1, perm, step_sorted)
+    if on_device:  # the step's path uses neither the per-entry steps nor the compacted copy list
+        steps = torch.zeros(0, dtype=torch.int8, device=device)
+    else:
+        step_sorted = torch.where(
+            direct, STEP_DIRECT, torch.where(hot, STEP_HOT, torch.where(miss, STEP_HOST, STEP_UNUSED))
+        ).to(torch.int8)
+        steps = torch.empty_like(step_sorted).scatter_(1, perm, step_sorted)
 
     # New LRU state: hit slots and victim slots take the current stamp; victims take their miss.
     touched = torch.where(hot | cached_miss_first, slot, num_slots)
@@ -216,12 +223,13 @@ def resolve(
     new_pos = new_pos.scatter(1, placed, sorted_pos)[:, :num_slots]
 
     if on_device:
-        copy_rows = copy_cols = torch.zeros(0, dtype=torch.int64, device=device)
+        copy_rows = copy_slot = copy_location = copy_position = torch.zeros(0, dtype=torch.int64, device=device)
     else:
         copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
-    copy_staged = staged[copy_rows, copy_cols]
-    copy_slot = torch.where(copy_staged, -1, victim[copy_rows, copy_cols])
-    copy_location = slot_loc[copy_rows, copy_cols]
+        copy_staged = staged[copy_rows, copy_cols]
+        copy_slot = torch.where(copy_staged, -1, victim[copy_rows, copy_cols])
+        copy_location = slot_loc[copy_rows, copy_cols]
+        copy_position = sorted_pos[copy_rows, copy_cols]
     counts = torch.stack([(direct & first).sum(1), (hot & first).sum(1), num_miss], dim=1)
     return Resolution(
         locations=locations,
@@ -229,7 +237,7 @@ def resolve(
         hot_pos=new_pos,
         hot_stamp=new_stamp,
         copy_request=copy_rows,
-        copy_position=sorted_pos[copy_rows, copy_cols],
+        copy_position=copy_position,
         copy_slot=copy_slot,
         copy_location=copy_location,
         counts=counts,

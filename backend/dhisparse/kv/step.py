@@ -35,31 +35,40 @@ from typing import TYPE_CHECKING
 import torch
 
 from dhisparse.kv import kernel_step
-from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
-from dhisparse.kv.resolver import HotCacheOverflowError, resolve
+from dhisparse.kv.resolver import HotCacheOverflowError
+from dhisparse.kv.step_resolution import (
+    _FLAG_MESSAGES,
+    FLAG_UNMAPPED,
+    StepResolution,
+    _Resolved,
+)
 
 if TYPE_CHECKING:
-    from dhisparse.kv.manager import KVManager
+    from dhisparse.kernels.selection import KernelSelection
+    from dhisparse.kv.batch_state import BatchState
+    from dhisparse.kv.config import KVLayout
+    from dhisparse.kv.copies import CopyEngine, CopyTicket
+    from dhisparse.kv.device_pool import DevicePool
+    from dhisparse.kv.host_store import HostStore
+    from dhisparse.kv.host_sync import HostSync
 
 
-@dataclass
-class _Resolved:
-    positions: torch.Tensor  # [B, X, K] as passed by the model
-    locations: torch.Tensor  # [B, X*K] arena row of every entry (-1 where unused)
-    ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
-    staging_slot: int
-    staged: bool  # rows may live in the staging slot
+@dataclass(frozen=True)
+class StepParts:
+    """What a step works with, handed over by the manager (the step reads none of the manager's state)."""
 
-# Error flags accumulated on the device during a step (read once, see ``report``).
-FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
-_FLAG_MESSAGES = (
-    "gather: a selected position is at or past the request's length",
-    "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots "
-    "plus verification staging rows; raise hot_rows (B) to at least the number of distinct rows one step can "
-    "select",
-    "tail page of a new row is not mapped (begin_step broke its contract)",
-)
+    layout: KVLayout
+    pool: DevicePool
+    host: HostStore
+    copies: CopyEngine
+    batch: BatchState  # persistent per-slot state (kv/batch_state.py)
+    sync: HostSync  # every host read of the step goes through it
+    kernels: KernelSelection
+    device: torch.device
+    uses_host: bool  # the policy keeps history in the host store
+    debug_checks: bool  # read and raise each check at once
+    indexer_layers: frozenset[int]
 
 
 def _history_direct(req: RequestKV) -> bool:
@@ -68,11 +77,11 @@ def _history_direct(req: RequestKV) -> bool:
         return True
     if req.prompt_pages < req.tail_first:
         return False
-    state = req.opt_state[:, : req.tail_first]
+    state = req.opt_state.numpy()[:, : req.tail_first]  # CPU state: numpy is cheaper than torch at this size
     return bool(((state == OPT_READY) | (state == OPT_BACKING_UP)).all())
 
 
-class StepKV:
+class StepKV(StepResolution):
     """KV access for one step. Attributes:
 
     lengths: ``[B]`` int64 (device) history length of each request including the ``Q`` new tokens.
@@ -80,8 +89,8 @@ class StepKV:
     query_len: ``Q``.
     """
 
-    def __init__(self, manager: KVManager, requests: list[RequestKV], query_len: int, stamp: int) -> None:
-        self._m = manager
+    def __init__(self, parts: StepParts, requests: list[RequestKV], query_len: int, stamp: int) -> None:
+        self._m = manager = parts
         self.requests = requests
         self.query_len = query_len
         self.stamp = stamp
@@ -90,36 +99,51 @@ class StepKV:
         self.starts = torch.tensor([r.length for r in requests], dtype=torch.int64, device=device)
         self.lengths = self.starts + query_len
         self.max_length = max(r.length for r in requests) + query_len  # known on the host, no read
-        max_pages = max(r.page_table.shape[1] for r in requests)
         sources = manager.layout.num_sources
-        table = torch.full((len(requests), sources, max_pages), -1, dtype=torch.int64, device=device)
-        for b, r in enumerate(requests):
-            table[b, :, : r.page_table.shape[1]] = r.page_table
-        self.page_table = table
-        self.hot_pos = torch.stack([r.hot_pos for r in requests])  # [B, S, hot_rows]
-        self.hot_stamp = torch.stack([r.hot_stamp for r in requests])
-        self.hot_loc = torch.stack([r.hot_loc for r in requests])
-        if requests[0].host_pages is not None:
-            host = torch.full((len(requests), sources, max_pages), -1, dtype=torch.int64)
-            for b, r in enumerate(requests):
-                assert r.host_pages is not None
-                host[b, :, : r.host_pages.shape[1]] = r.host_pages
-            self.host_pages: torch.Tensor | None = host.to(device)
+        # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
+        # (updated in place), else one gather per tensor (hot-cache changes are scattered back at each resolve).
+        batch_state = manager.batch
+        self._batch = batch_state
+        slots = [r.slot for r in requests]
+        self.slots = slots
+        if slots == list(range(slots[0], slots[0] + len(slots))):
+            rows: slice | torch.Tensor = slice(slots[0], slots[0] + len(slots))
+            self._scatter: torch.Tensor | None = None
         else:
-            self.host_pages = None
+            rows = torch.tensor(slots, dtype=torch.int64, device=device)
+            self._scatter = rows
+        self._rows = rows
+        # The page table is the one snapshot a step takes (one copy of its rows, up to the widest request): a reclaim
+        # or a completed backup may unmap a page during the step while the step's readers still use it.
+        width = max(r.footprint.num_pages for r in requests)
+        table = batch_state.page_table[rows, :, :width].clone()
+        self.page_table = table  # [B, S, M]
+        self.hot_pos = batch_state.hot_pos[rows]  # [B, S, hot_rows]
+        self.hot_stamp = batch_state.hot_stamp[rows]
+        self.hot_loc = batch_state.hot_loc[rows]
+        self.host_pages: torch.Tensor | None = batch_state.host_pages[rows] if manager.uses_host else None
+        self._hot_before: tuple[torch.Tensor, torch.Tensor] | None = None  # for abort_step (first resolve)
         # Arena rows of the new tokens: [B, S, Q].
         new_pos = self.starts.unsqueeze(1) + torch.arange(query_len, device=device)  # [B, Q]
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
-        self.counts = torch.zeros(len(requests), 3, dtype=torch.int64, device=device)
-        self.staged = torch.zeros(len(requests), dtype=torch.int64, device=device)  # rows copied into staging
-        self.staging_loc = torch.stack([r.staging_loc for r in requests]).to(device)  # [B, G, T]
-        self.flags = torch.zeros(len(_FLAG_MESSAGES), dtype=torch.bool, device=device)
+        self._key_index = (torch.arange(len(requests), device=device).unsqueeze(1), new_pos)  # [B, Q] of the keys
+        # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer.
+        nreq = len(requests)
+        self._report = torch.zeros(4 * nreq + len(_FLAG_MESSAGES), dtype=torch.int64, device=device)
+        self.counts = self._report[: 3 * nreq].view(nreq, 3)
+        self.staged = self._report[3 * nreq : 4 * nreq]  # rows copied into staging
+        self.staging_loc = batch_state.staging_loc[rows]  # [B, G, T]
+        self.flags = self._report[4 * nreq :]
         self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
+        # Arena rows each source's write goes to ([S, B*Q]; an unmapped row is flagged above).
+        self._write_rows = self.new_rows.clamp(min=0).transpose(0, 1).reshape(sources, -1)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
         self._resolved: dict[int, _Resolved] = {}
+        # Direct resolutions' (positions, locations), checked and counted once per step in report().
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._tickets: list[CopyTicket] = []
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
@@ -135,15 +159,17 @@ class StepKV:
             raise ValueError(f"write(layer {layer}): rows must be [{batch}, {q}, {m.layout.row_dim}], "
                              f"got {list(rows.shape)}")
         source = m.layout.source_of_layer[layer]
-        dst = self.new_rows[:, source, :].reshape(-1)
-        m.pool.arena.index_copy_(0, dst.clamp(min=0), m.layout.encode(rows.reshape(-1, rows.shape[-1])))
+        m.pool.arena.index_copy_(0, self._write_rows[source], m.layout.encode(rows.reshape(-1, rows.shape[-1])))
         if layer in m.indexer_layers:
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
                                  "are required for a layer with an indexer")
-            # One batched copy into every request's key tensor (views of the new positions).
-            torch._foreach_copy_([r.index_keys[layer][r.length : r.length + q] for r in self.requests],
-                                 list(m.layout.encode_keys(index_keys).unbind(0)))
+            # One indexed write into the batch state's keys of the step's slots.
+            keys = self._batch.index_keys[layer]
+            if self._scatter is None:
+                keys[self._rows].index_put_(self._key_index, m.layout.encode_keys(index_keys))
+            else:
+                keys.index_put_((self._scatter.unsqueeze(1), self._key_index[1]), m.layout.encode_keys(index_keys))
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
@@ -155,20 +181,21 @@ class StepKV:
         if layer not in m.indexer_layers:
             raise ValueError(f"layer {layer} has no indexer")
         stop = self.max_length if stop is None else stop
-        # Each request's keys up to its length (views), padded with zeros in one call.
-        parts = [r.index_keys[layer][start:max(start, min(r.length + self.query_len, stop))] for r in self.requests]
-        out = torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
-        if out.shape[1] < stop - start:
-            out = torch.nn.functional.pad(out, (0, 0, 0, stop - start - out.shape[1]))
-        return m.layout.decode_keys(out)
+        # The slots' keys are zero past each request's length (batch-state invariant): a view of the batch state
+        # (consecutive slots) or one gather, no per-request work.
+        keys = self._batch.index_keys[layer]
+        if stop > keys.shape[1]:
+            raise ValueError(f"index_keys(layer {layer}): stop {stop} is past the batch state's "
+                             f"{keys.shape[1]} positions per slot")
+        return m.layout.decode_keys(keys[self._rows, start:stop])
 
     # ------------------------------------------------------------------------------------------ gather
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows ``[B, X, K, row_dim]`` of the selected ``positions`` ``[B, X, K]`` int64 (``-1`` = unused
         slot, zeros returned there). Every selected position must be below ``lengths[b]``."""
-        loc = self.locations(layer, positions)
-        rows = self._m.layout.decode(self._m.pool.arena[loc.clamp(min=0)])
-        return rows.masked_fill((loc < 0).unsqueeze(-1), 0)
+        entry = self._entry(layer, positions)
+        # Unused entries read the pool's zero row: one index, no mask.
+        return self._m.layout.decode(self._m.pool.arena[entry.rows]).view(*positions.shape, -1)
 
     def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
                softmax_scale: float) -> torch.Tensor | None:
@@ -182,24 +209,34 @@ class StepKV:
     def locations(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Arena rows ``[B, X, K]`` of the selected ``positions`` (``-1`` where unused), readable by work issued
         next on the current stream; resolves (and fetches) on first use per source and positions tensor."""
+        return self._entry(layer, positions).locations.view_as(positions)
+
+    def _entry(self, layer: int, positions: torch.Tensor) -> _Resolved:
         self._check_open()
         m = self._m
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
             raise ValueError(f"gather(layer {layer}): positions must be [{len(self.requests)}, X, K]")
-        positions = positions.to(m.device, torch.int64)
-        self._flag(FLAG_BAD_POSITION, (positions >= self.lengths.view(-1, 1, 1)).any(), ValueError)
+        if positions.device != m.device or positions.dtype != torch.int64:
+            positions = positions.to(m.device, torch.int64)
         source = m.layout.source_of_layer[layer]
         entry = self._lookup(source, positions)
         if entry is None:
             # Resolve this source and (for a group leader) the group's other sources, prefetching theirs.
+            todo: dict[int, int] = {}  # source -> staging slot
             for other in m.layout.group_of_layer(layer):
                 other_source = m.layout.source_of_layer[other]
-                if self._lookup(other_source, positions) is None:
-                    self._resolve(other_source, positions, m.layout.staging_slot_of_layer(other))
+                if other_source not in todo and self._lookup(other_source, positions) is None:
+                    todo[other_source] = m.layout.staging_slot_of_layer(other)
+            if len(todo) > 1 and not m.debug_checks and (self.all_direct or (
+                    not self.staging_loc.shape[2] and not m.kernels.on_device)):
+                self._resolve_group(list(todo.items()), positions)  # the group's sources in one resolution
+            else:
+                for other_source, slot in todo.items():
+                    self._resolve(other_source, positions, slot)
             entry = self._lookup(source, positions)
             assert entry is not None
         m.copies.wait_for_read(entry.ticket)
-        return entry.locations.view_as(positions)
+        return entry
 
     def _lookup(self, source: int, positions: torch.Tensor) -> _Resolved | None:
         entry = self._resolved.get(source)
@@ -210,82 +247,12 @@ class StepKV:
             same = bool(self._m.sync.read((entry.positions != positions).any())[0][0] == 0)
         return entry if same else None
 
-    def _resolve(self, source: int, positions: torch.Tensor, slot: int) -> None:
-        m = self._m
-        flat = positions.reshape(len(self.requests), -1)
-        if self.all_direct:
-            self._resolve_direct(source, positions, flat, slot)
-            return
-        staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
-        # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
-        # so a step with verification staging resolves with the torch resolver (on the device as well).
-        if m.kernels.on_device and staging is None:
-            kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
-            self.resolver_calls += 1
-            if kticket is not None:
-                self._tickets.append(kticket)
-            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False)
-            return
-        res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
-                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
-        self.resolver_calls += 1
-        self.hot_pos[:, source] = res.hot_pos
-        self.hot_stamp[:, source] = res.hot_stamp
-        self.counts += res.counts
-        self.staged += res.staged
-        assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
-        self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
-        # With staging, the slot's previous rows may be overwritten: their entry must not be reused (decided from
-        # the configuration, not from this resolution's counts, so that it costs no host sync).
-        staged = staging is not None
-        if staged:
-            stale = [s for s, e in self._resolved.items() if e.staged and e.staging_slot == slot and s != source]
-            for s in stale:
-                del self._resolved[s]
-        ticket = None
-        if self.host_pages is not None:
-            # Fixed-shape copy list: misses copy their host row into their hot slot or staging row, every other
-            # entry copies host row 0 into the scratch row (resident never misses: its history is all direct).
-            mask, pos = res.fetch_mask, res.fetch_position
-            page = self.host_pages[:, source].gather(1, (pos // m.pool.page_rows).clamp(
-                max=self.host_pages.shape[2] - 1))
-            src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
-            assert res.fetch_location is not None
-            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
-            ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
-            self._tickets.append(ticket)
-        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged)
-
-    def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
-        """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
-        host at ``begin_step``): the same locations and counts as :func:`resolve`, which would find every
-        position direct and leave the hot cache untouched."""
-        page_rows = self._m.pool.page_rows
-        table = self.page_table[:, source]
-        valid = flat >= 0
-        safe = flat.clamp(min=0)
-        page = table.gather(1, (safe // page_rows).clamp(max=table.shape[1] - 1))
-        self._flag(FLAG_UNMAPPED, (valid & (page < 0)).any(), RuntimeError)
-        locations = torch.where(valid, page * page_rows + safe % page_rows, -1)
-        ordered = torch.sort(torch.where(valid, flat, -1), dim=1).values  # unused entries first
-        previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
-        self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
-        self.resolver_calls += 1
-        self._resolved[source] = _Resolved(positions, locations, None, slot, False)
-
-    def _flag(self, flag: int, broken: torch.Tensor, error: type[Exception]) -> None:
-        """Record a check on the device; in debug mode read and raise it now (one counted read per check)."""
-        if self._m.debug_checks:
-            if self._m.sync.read(broken)[0][0]:
-                raise error(_FLAG_MESSAGES[flag])
-            return
-        self.flags[flag] |= broken
-
     def report(self) -> torch.Tensor:
         """What ``end_step`` reads from the device, as one int64 vector: the per-request resolution counts
         ``[B, 3]`` (flattened), the per-request staged row counts ``[B]``, then the error flags. The engine may
         read it together with its sampled tokens (one transfer) and pass the values to ``end_step(report=...)``."""
-        return torch.cat([self.counts.reshape(-1), self.staged, self.flags.to(torch.int64)])
+        self._settle_deferred()
+        return self._report
 
     def check_report(self, values: list[int]) -> list[list[int]]:
         """Raise the first error flag set in ``values`` (from :meth:`report`); return per request
@@ -301,9 +268,8 @@ class StepKV:
     def reset_checks(self) -> None:
         """Clear the step's device-side flags and counts (``abort_step``: nothing of a rolled-back step is
         reported)."""
-        self.flags.zero_()
-        self.counts.zero_()
-        self.staged.zero_()
+        self._deferred = []
+        self._report.zero_()
 
     def wait_fetches(self) -> None:
         """Complete every host→device copy this step issued (called by ``end_step``)."""

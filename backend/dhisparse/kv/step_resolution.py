@@ -1,0 +1,290 @@
+"""How a step resolves selected positions to arena rows (a mixin of :class:`~dhisparse.kv.step.StepKV`).
+
+- **Direct steps** (every request's whole history direct, decided on the host at ``begin_step``): a page-table lookup
+  giving the same locations as :func:`~dhisparse.kv.resolver.resolve`, which would find every position direct and
+  leave the hot cache untouched; the checks (position past the length, unmapped page) and the direct-row counts
+  are deferred and settled once per step (:meth:`StepResolution._settle_deferred`, called by ``report``).
+- **Otherwise** the torch resolver (on the device, fixed-shape fetch list) or, with the CUDA kernels and no
+  verification staging, the resolver and row-copy kernels.
+- **Index groups**: sources selected by the same positions are resolved together, stacked along the resolver's
+  request dimension (``[G*B, ...]``; rows are independent, so each source gets what its own call would give), on
+  direct steps and on the torch resolver without staging; host fetches stay one copy per source.
+- **Hot state** is written into the batch state's slots as soon as it is computed (``store_hot``); ``abort_step``
+  restores it from a snapshot taken before the step's first change (``restore_hot_state``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dhisparse.kv import kernel_step
+from dhisparse.kv.copies import CopyTicket
+from dhisparse.kv.resolver import HotCacheOverflowError, resolve
+
+if TYPE_CHECKING:
+    from dhisparse.kv.batch_state import BatchState
+    from dhisparse.kv.request_state import RequestKV
+    from dhisparse.kv.step import StepParts
+
+
+@dataclass
+class _Resolved:
+    positions: torch.Tensor  # [B, X, K] as passed by the model
+    locations: torch.Tensor  # [B, X*K] arena row of every entry (-1 where unused)
+    ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
+    staging_slot: int
+    staged: bool  # rows may live in the staging slot
+    rows: torch.Tensor  # [B, X*K] arena row to gather for every entry (the pool's zero row where unused)
+
+# Error flags accumulated on the device during a step (read once, see ``report``).
+FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
+_FLAG_MESSAGES = (
+    "gather: a selected position is at or past the request's length",
+    "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots "
+    "plus verification staging rows; raise hot_rows (B) to at least the number of distinct rows one step can "
+    "select",
+    "tail page of a new row is not mapped (begin_step broke its contract)",
+)
+
+
+_SOURCE_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def _source_index(sources: list[int], device: torch.device) -> torch.Tensor:
+    """The sources of an index group as an index tensor on ``device`` (made once per group)."""
+    key = (tuple(sources), device)
+    index = _SOURCE_INDEX.get(key)
+    if index is None:
+        index = _SOURCE_INDEX[key] = torch.tensor(sources, dtype=torch.int64, device=device)
+    return index
+
+
+class StepResolution:
+    """Resolution, hot-state and check methods of a step (state set up by ``StepKV.__init__``)."""
+
+    _m: StepParts
+    _batch: BatchState
+    _scatter: torch.Tensor | None
+    _resolved: dict[int, _Resolved]
+    _deferred: list[tuple[torch.Tensor, torch.Tensor]]
+    _tickets: list[CopyTicket]
+    _hot_before: tuple[torch.Tensor, torch.Tensor] | None
+    requests: list[RequestKV]
+    all_direct: bool
+    stamp: int
+    resolver_calls: int
+    lengths: torch.Tensor
+    page_table: torch.Tensor
+    hot_pos: torch.Tensor
+    hot_stamp: torch.Tensor
+    hot_loc: torch.Tensor
+    host_pages: torch.Tensor | None
+    staging_loc: torch.Tensor
+    counts: torch.Tensor
+    staged: torch.Tensor
+    flags: torch.Tensor
+
+    def _resolve(self, source: int, positions: torch.Tensor, slot: int) -> None:
+        m = self._m
+        flat = positions.reshape(len(self.requests), -1)
+        if self.all_direct and not m.debug_checks:
+            self._resolve_direct(source, positions, flat, slot)
+            return
+        # Once per resolution (the layers reusing it pass the same positions).
+        self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
+        if self.all_direct:
+            self._resolve_direct_checked(source, positions, flat, slot)
+            return
+        staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
+        # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
+        # so a step with verification staging resolves with the torch resolver (on the device as well).
+        self._snapshot_hot()
+        if m.kernels.on_device and staging is None:
+            kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
+            self.resolver_calls += 1
+            if kticket is not None:
+                self._tickets.append(kticket)
+            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False,
+                                               self._gather_rows(kres.locations))
+            return
+        res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
+                      self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
+        self.resolver_calls += 1
+        self.store_hot(source, res.hot_pos, res.hot_stamp)
+        self.counts += res.counts
+        self.staged += res.staged
+        assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
+        self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
+        # With staging, the slot's previous rows may be overwritten: their entry must not be reused (decided from
+        # the configuration, not from this resolution's counts, so that it costs no host sync).
+        staged = staging is not None
+        if staged:
+            stale = [s for s, e in self._resolved.items() if e.staged and e.staging_slot == slot and s != source]
+            for s in stale:
+                del self._resolved[s]
+        ticket = None
+        if self.host_pages is not None:
+            # Fixed-shape copy list: misses copy their host row into their hot slot or staging row, every other
+            # entry copies host row 0 into the scratch row (resident never misses: its history is all direct).
+            mask, pos = res.fetch_mask, res.fetch_position
+            page = self.host_pages[:, source].gather(1, (pos // m.pool.page_rows).clamp(
+                max=self.host_pages.shape[2] - 1))
+            src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
+            assert res.fetch_location is not None
+            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
+            ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
+            self._tickets.append(ticket)
+        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged,
+                                           self._gather_rows(res.locations))
+
+    def _resolve_group(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
+        """Resolve several sources selected by the same ``positions`` at once: their rows are stacked along the
+        resolver's request dimension (``[G*B, ...]``, source-major), so one resolution (and one fetch) serves the
+        group — the resolver treats rows independently, so each source's result is what its own call would give.
+        Used for direct steps and for steps without verification staging on the torch resolver."""
+        m, batch = self._m, len(self.requests)
+        sources = [s for s, _ in todo]
+        groups = len(sources)
+        index = _source_index(sources, m.device)
+        flat = positions.reshape(batch, -1)
+        page_rows = m.pool.page_rows
+        if self.all_direct:
+            table = self.page_table[:, index]  # [B, G, M]
+            safe = flat.clamp(min=0)
+            pidx = (safe // page_rows).clamp(max=table.shape[2] - 1)
+            page = table.gather(2, pidx.unsqueeze(1).expand(-1, groups, -1))
+            loc = page * page_rows + (safe % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
+            valid = (flat >= 0).unsqueeze(1)
+            locations = torch.where(valid, loc, -1)  # [B, G, N]
+            rows = torch.where(valid, loc, m.pool.zero_row)
+            for g, (source, slot) in enumerate(todo):
+                self._deferred.append((flat, locations[:, g]))
+                self._resolved[source] = _Resolved(positions, locations[:, g], None, slot, False, rows[:, g])
+            self.resolver_calls += groups
+            return
+        self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
+        self._snapshot_hot()
+
+        def stacked(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G*B, X] of the group's sources
+            return t[:, index].transpose(0, 1).reshape(groups * batch, -1)
+
+        res = resolve(flat.repeat(groups, 1), stacked(self.page_table), stacked(self.hot_pos),
+                      stacked(self.hot_stamp), stacked(self.hot_loc), self.stamp, page_rows, None, on_device=True)
+        self.resolver_calls += groups
+        hot_rows = self.hot_pos.shape[2]
+        self._store_hot_sources(index, res.hot_pos.view(groups, batch, hot_rows).transpose(0, 1),
+                                res.hot_stamp.view(groups, batch, hot_rows).transpose(0, 1))
+        self.counts += res.counts.view(groups, batch, 3).sum(0)
+        assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
+        self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
+        tickets: list[CopyTicket | None] = [None] * groups
+        if self.host_pages is not None:  # fixed-shape copy lists (see _resolve), one copy per source
+            mask, pos = res.fetch_mask, res.fetch_position
+            host_pages = stacked(self.host_pages)
+            page = host_pages.gather(1, (pos // page_rows).clamp(max=host_pages.shape[1] - 1))
+            src = torch.where(mask, m.host.rows_of(page, pos), 0).view(groups, -1)
+            assert res.fetch_location is not None
+            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).view(groups, -1)
+            # Separate copies keep the prefetch: the leader's attention waits only for its own source's rows.
+            for g in range(groups):
+                tickets[g] = m.copies.issue("fetch", m.pool.arena, dst[g], m.host.rows, src[g])
+                self._tickets.append(tickets[g])
+        locations = res.locations.view(groups, batch, -1)
+        rows = self._gather_rows(locations)
+        for g, (source, slot) in enumerate(todo):
+            self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False, rows[g])
+
+    def _store_hot_sources(self, index: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
+        """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""
+        self.hot_pos[:, index] = hot_pos
+        self.hot_stamp[:, index] = hot_stamp
+        if self._scatter is not None:
+            self._batch.hot_pos[self._scatter.unsqueeze(1), index] = hot_pos
+            self._batch.hot_stamp[self._scatter.unsqueeze(1), index] = hot_stamp
+
+    def _gather_rows(self, locations: torch.Tensor) -> torch.Tensor:
+        return torch.where(locations >= 0, locations, self._m.pool.zero_row)
+
+    def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
+        """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
+        host at ``begin_step``): the same locations as :func:`resolve`, which would find every position direct
+        and leave the hot cache untouched. Its checks (position past the length, unmapped page) and its counts
+        are deferred to :meth:`report`, done once for every direct resolution of the step."""
+        page_rows = self._m.pool.page_rows
+        table = self.page_table[:, source]
+        safe = flat.clamp(min=0)
+        page = table.gather(1, (safe // page_rows).clamp(max=table.shape[1] - 1))
+        loc = page * page_rows + safe % page_rows  # negative exactly where the page is unmapped (flagged)
+        valid = flat >= 0
+        locations = torch.where(valid, loc, -1)
+        rows = torch.where(valid, loc, self._m.pool.zero_row)
+        self._deferred.append((flat, locations))
+        self.resolver_calls += 1
+        self._resolved[source] = _Resolved(positions, locations, None, slot, False, rows)
+
+    def _resolve_direct_checked(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
+        """:meth:`_resolve_direct` with its checks and counts done at once (``debug_checks``)."""
+        self._resolve_direct(source, positions, flat, slot)
+        self._settle_deferred()
+
+    def _settle_deferred(self) -> None:
+        """Check and count the direct resolutions so far, all in one set of operations: an unmapped page of a
+        valid entry is flagged; per request, the distinct valid positions of each resolution are counted as direct
+        rows (as :func:`resolve` does), summed over the resolutions."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        raw = torch.cat([f for f, _ in deferred], dim=1) if len(deferred) > 1 else deferred[0][0]
+        locs = torch.cat([loc for _, loc in deferred], dim=1) if len(deferred) > 1 else deferred[0][1]
+        valid = raw >= 0
+        self._flag(FLAG_BAD_POSITION, (raw >= self.lengths.view(-1, 1)).any(), ValueError)
+        self._flag(FLAG_UNMAPPED, ((locs < 0) & valid).any(), RuntimeError)
+        # Positions of different resolutions kept distinct in one sort: resolution i adds i * 2^40.
+        sizes = [f.shape[1] for f, _ in deferred]
+        if len(set(sizes)) == 1:
+            offsets = torch.arange(0, len(deferred) << 40, 1 << 40, device=raw.device).repeat_interleave(sizes[0])
+        else:
+            offsets = torch.cat([torch.full((n,), i << 40, dtype=torch.int64, device=raw.device)
+                                 for i, n in enumerate(sizes)])
+        flats = torch.where(valid, raw + offsets, -1)
+        ordered = torch.sort(flats, dim=1).values  # unused entries (-1) first
+        previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
+        self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
+
+    def _snapshot_hot(self) -> None:
+        """Keep the hot state from before the step's first change (``abort_step`` restores it)."""
+        if self._hot_before is None:
+            self._hot_before = (self.hot_pos.clone(), self.hot_stamp.clone())
+
+    def store_hot(self, source: int, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
+        """A resolution's new hot state ``[B, hot_rows]`` of ``source``, written into the slots in place."""
+        self.hot_pos[:, source] = hot_pos
+        self.hot_stamp[:, source] = hot_stamp
+        if self._scatter is not None:  # the step's rows are a gathered copy: write through to the slots
+            self._batch.hot_pos[self._scatter, source] = hot_pos
+            self._batch.hot_stamp[self._scatter, source] = hot_stamp
+
+    def restore_hot_state(self) -> None:
+        """Roll back the step's hot-cache changes (``abort_step``): slots whose position changed are emptied
+        (their rows were refilled), the others get their position and stamp from before the step."""
+        if self._hot_before is None:
+            return
+        pos, stamp = self._hot_before
+        changed = self.hot_pos != pos
+        new_pos, new_stamp = pos.masked_fill(changed, -1), stamp.masked_fill(changed, 0)
+        self.hot_pos.copy_(new_pos)
+        self.hot_stamp.copy_(new_stamp)
+        if self._scatter is not None:
+            self._batch.hot_pos[self._scatter] = new_pos
+            self._batch.hot_stamp[self._scatter] = new_stamp
+
+    def _flag(self, flag: int, broken: torch.Tensor, error: type[Exception]) -> None:
+        """Record a check on the device; in debug mode read and raise it now (one counted read per check)."""
+        if self._m.debug_checks:
+            if self._m.sync.read(broken)[0][0]:
+                raise error(_FLAG_MESSAGES[flag])
+            return
+        self.flags[flag] |= broken
