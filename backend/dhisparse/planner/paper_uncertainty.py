@@ -97,6 +97,9 @@ def paper_shares(policy: str, locality: LocalityModel) -> dict[str, float]:
     return res.summary()
 
 
+FIT_ITERS = 3  # regula-falsi steps per one-dimensional fit (each step: one 32K/8K single-request simulation)
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalityCalibration:
     published: PublishedFit
@@ -106,10 +109,10 @@ class LocalityCalibration:
     recent_range: tuple[float, float]
 
 
-def calibrate_locality(trace: dict | None, log: bool = False) -> LocalityCalibration:
+def calibrate_locality(trace: dict | None, log: bool = False, iters: int = FIT_ITERS) -> LocalityCalibration:
     """Fit to the published shares and (if given) to an engine trace summary
     (:func:`dhisparse.planner.engine_trace.trace_summary`, e.g. ``docs/results/engine_trace.json``)."""
-    published = fit_published(paper_shares, LocalityModel(overlap=0.85, recent_fraction=0.3), iters=3,
+    published = fit_published(paper_shares, LocalityModel(overlap=0.85, recent_fraction=0.3), iters=iters,
                               overlap_bracket=(0.75, 0.95), recent_bracket=(0.1, 0.6))
     trace_fit = None
     if trace is not None:
