@@ -7,7 +7,13 @@ Every number in ``summary.md`` is computed here from the runs (see dhisparse/pla
 validation.py for the setups). Order: the locality model is calibrated first (published resolution shares +
 selection traces of our engine, ``calibration.csv``); every throughput claim is then *predicted* at the fitted
 locality and its plausible range; finally each headline claim's sensitivity to every constant of
-``dhisparse.planner.constants`` is computed (``sensitivity.csv``, ``sensitivity.png``, ``constants.md``).
+``dhisparse.planner.constants`` is computed (``sensitivity.csv``, ``sensitivity.png``, ``constants.md``), one
+constant at a time and with every time-only constant at its adverse / favourable end at once
+(``sensitivity_joint.csv``). The TTFT claims are reported co-located and disaggregated (``disaggregated_ttft.md``,
+:mod:`dhisparse.planner.ttft_modes`).
+Every simulation is independent of the others once the locality is calibrated: they run in ``--workers``
+processes (default 2) while the calibration runs (:mod:`dhisparse.planner.batch`), each distinct run once; the
+results are the same as simulating them one after another (tests/planner/test_batch.py).
 ``--quick`` runs a reduced grid (for smoke tests only, not for the docs).
 """
 
@@ -19,10 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-from dhisparse.planner import paper, paper_uncertainty, validation
+from dhisparse.planner import batch, paper, paper_uncertainty, ttft_modes, validation
 from dhisparse.planner.constants import Setup, table_markdown
-from dhisparse.planner.report import markdown_table, plot_grid, plot_memory, write_csv
-from dhisparse.planner.sensitivity import claim_ranges, plot_sensitivity, sensitivity
+from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE, CALIBRATED_RECENT_RANGE
+from dhisparse.planner.report import grid_points, markdown_table, plot_grid, plot_memory, write_csv
+from dhisparse.planner.sensitivity import claim_ranges, joint_time_ranges, plot_sensitivity, sensitivity
 from dhisparse.planner.specs import DRAFTERS, GLM5_INDEXSHARE_NVFP4, H200
 
 Row = dict[str, float | str]
@@ -67,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("docs/results"))
     p.add_argument("--quick", action="store_true", help="reduced grid (smoke test; not the documented results)")
+    p.add_argument("--workers", type=int, default=2, help="processes that run the simulations (default 2)")
     args = p.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -78,18 +86,39 @@ def main(argv: list[str] | None = None) -> int:
         timings[name] = time.perf_counter() - start
         print(f"[{name}: {timings[name]:.0f} s, total {time.perf_counter() - t0:.0f} s]", flush=True)
 
+    # Every simulation below is independent of the others once the locality is calibrated. They start at once, in
+    # `workers` processes, at the committed calibration (locality.CALIBRATED*), while the calibration runs here;
+    # a run is used only if its specs equal the ones the stages ask for (dhisparse.planner.batch), so should the
+    # calibration come out differently the stages simply simulate their runs again.
+    guess = _expected_calibration()
+    pool = batch.executor(args.workers) if args.workers > 1 else None
+    pending = batch.submit(pool, simulation_jobs(guess, args.quick, cs)) if pool else []
+    stages = submit_stages(pool, guess, args.quick) if pool else {}
+
     s = time.perf_counter()
     print("Locality calibration (published shares + engine traces)", flush=True)
     cal, cal_rows = calibrate()
     write_csv(cal_rows, out / "calibration.csv", list(cal_rows[0]))
     loc = cal.nominal
-    overlaps = (loc.overlap,) if args.quick else (cal.overlap_range[0], loc.overlap, cal.overlap_range[1])
+    overlaps = _overlaps(cal, args.quick)
     print(f"  nominal {loc}, overlaps {overlaps}", flush=True)
+    same = (loc, cal.overlap_range, cal.recent_range) == (guess.nominal, guess.overlap_range, guess.recent_range)
+    if not same:
+        print("  calibration differs from locality.CALIBRATED*: the runs started ahead are not used", flush=True)
+        stages = {}
     lap("calibration", s)
 
     s = time.perf_counter()
+    if pool is not None:
+        timings["simulations in workers (sum)"] = batch.collect(pending) + sum(
+            f.result()[1] for f in stages.values())
+        pool.shutdown()
+    lap("simulations ahead (wall)", s)
+
+    s = time.perf_counter()
     print("HiSparse validation (sglang PR #33075)", flush=True)
-    val = validation.run_validation(overlaps=overlaps, token_scale=64 if args.quick else 32, log=True, locality=loc)
+    val = (stages["validation"].result()[0] if "validation" in stages else
+           validation.run_validation(overlaps=overlaps, token_scale=64 if args.quick else 32, log=True, locality=loc))
     val_err = validation.error_summary(val)
     write_csv(val, out / "validation_pr33075.csv", list(val[0]))
     write_csv(val_err, out / "validation_error.csv", list(val_err[0]))
@@ -105,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     s = time.perf_counter()
     print("GLM 100K/8K at C128", flush=True)
-    long_configs = ("hisparse", "adaptive", "adaptive+dflash2")
-    g100, res100 = (paper.glm_100k(overlaps, log=True, locality=loc, configs=long_configs)
+    g100, res100 = (paper.glm_100k(overlaps, log=True, locality=loc, configs=LONG_CONFIGS)
                     if not args.quick else ([], {}))
     if g100:
         write_csv(g100, out / "glm_100k_c128.csv")
@@ -116,15 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(bounds, out / "tpot_bounds.csv", list(bounds[0]))
 
     s = time.perf_counter()
+    print("TTFT: co-located vs disaggregated (C128)", flush=True)
+    ttft_c = DISAGG_CONCURRENCY if not args.quick else 16
+    ttft = ttft_modes.ttft_rows(loc, DISAGG_INPUTS if not args.quick else (32768,), ttft_c)
+    ttft_modes.write_markdown(ttft, out / "disaggregated_ttft.md", loc, ttft_c)
+    lap("disaggregated_ttft", s)
+
+    s = time.perf_counter()
     print("load step 4 -> 64 -> 4 clients", flush=True)
-    ls_rows, ls_res = paper.load_step((loc.overlap,), log=True, locality=loc)
+    ls_rows, ls_res = (stages["load_step"].result()[0] if "load_step" in stages
+                       else paper.load_step((loc.overlap,), log=True, locality=loc))
     write_csv(ls_rows, out / "load_step.csv", list(ls_rows[0]))
     plot_memory(ls_res, out / "load_step_memory.png")
     lap("load_step", s)
 
     s = time.perf_counter()
     print("DeepSeek-V3.2 500K", flush=True)
-    fits, ds = paper.deepseek_500k(overlaps=overlaps, log=True, locality=loc)
+    fits, ds = (stages["deepseek_500k"].result()[0] if "deepseek_500k" in stages
+                else paper.deepseek_500k(overlaps=overlaps, log=True, locality=loc))
     write_csv(fits, out / "deepseek_500k_footprint.csv", list(fits[0]))
     write_csv(ds, out / "deepseek_500k.csv")
     lap("deepseek_500k", s)
@@ -134,14 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     constants = paper_uncertainty.calibrated_constants(cal)
     (out / "constants.md").write_text("# Planner constants (generated by scripts/reproduce_paper.py)\n\n"
                                       + table_markdown(constants) + "\n")
-    sens = run_sensitivity(res32, res100, overlaps, loc, constants, args.quick)
+    sens, joint = run_sensitivity(res32, res100, overlaps, loc, constants, args.quick)
     write_csv(sens, out / "sensitivity.csv", list(sens[0]))
+    write_csv(joint, out / "sensitivity_joint.csv", list(joint[0]))
     plot_sensitivity(sens, out / "sensitivity.png", [c for c in paper_uncertainty.PAPER
                                                      if any(r["claim"] == c for r in sens)])
     lap("sensitivity", s)
 
     summary = build_summary(g32, g100, bounds, ls_rows, fits, ds, val_err, cs)
-    claims = claims_table(sens)
+    summary += ttft_modes.claims(ttft)
+    claims = claims_table(sens, joint) + ttft_modes.claim_rows(ttft)
     timings["total"] = time.perf_counter() - t0
     text = ("# Reproduction summary (generated by scripts/reproduce_paper.py)\n\n"
             f"Locality (calibrated, `calibration.csv`): overlap {loc.overlap:g} (range {cal.overlap_range[0]:g}–"
@@ -149,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{cal.recent_range[1]:g}).\n\n## Headline claims: nominal prediction and range over every constant\n\n"
             + markdown_table(claims, list(claims[0]))
             + "\n\n## Claims over the calibrated overlap range\n\n" + markdown_table(summary, list(summary[0]))
+            + "\n\n## TTFT, co-located vs disaggregated (nominal locality, `disaggregated_ttft.md`)\n\n"
+            + markdown_table(ttft, list(ttft[0]))
             + "\n\n## Locality calibration\n\n" + markdown_table(cal_rows, list(cal_rows[0]))
             + "\n\n## HiSparse validation error (ratio vs published, over batches 1–54)\n\n"
         + markdown_table(val_err, list(val_err[0])) + "\n\n## Throughput under mean-TPOT bounds (worst overlap)\n\n"
@@ -160,6 +201,54 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     del res32
     return 0
+
+
+LONG_CONFIGS = ("hisparse", "adaptive", "adaptive+dflash2")
+DISAGG_INPUTS = (32768, 102400)
+DISAGG_CONCURRENCY = 128
+
+
+def _expected_calibration() -> paper_uncertainty.LocalityCalibration:
+    """The committed calibration (``locality.CALIBRATED*``, tested equal to ``calibration.csv``)."""
+    return paper_uncertainty.LocalityCalibration(None, None, CALIBRATED, CALIBRATED_OVERLAP_RANGE,  # type: ignore[arg-type]
+                                                 CALIBRATED_RECENT_RANGE)
+
+
+def _overlaps(cal: paper_uncertainty.LocalityCalibration, quick: bool) -> tuple[float, ...]:
+    return (cal.nominal.overlap,) if quick else (cal.overlap_range[0], cal.nominal.overlap, cal.overlap_range[1])
+
+
+def simulation_jobs(cal: paper_uncertainty.LocalityCalibration, quick: bool, cs: tuple[int, ...]) -> list[batch.Job]:
+    """Every simulation the stages below ask for at calibration ``cal`` (grids, TTFT modes, sensitivity re-runs)."""
+    loc, overlaps = cal.nominal, _overlaps(cal, quick)
+    model = GLM5_INDEXSHARE_NVFP4
+    grids = [paper.glm_grid(32768, cs, overlaps, locality=loc)]
+    if not quick:
+        grids.append(paper.glm_grid(102400, (128,), overlaps, LONG_CONFIGS, loc))
+    jobs = [batch.Job(H200, model, serving, work, paper.SCALE) for grid in grids
+            for _, _, _, serving, work, new in grid_points(grid, model) if new]
+    jobs += ttft_modes.jobs(loc, DISAGG_INPUTS if not quick else (32768,), DISAGG_CONCURRENCY if not quick else 16)
+    constants = paper_uncertainty.calibrated_constants(cal)
+    if quick:
+        constants = tuple(c for c in constants if c.retime or c.field == "overlap")
+    keys = [(label, c, loc.overlap) for label, c in paper_uncertainty.RERUN_KEYS
+            if not (quick and label.endswith(paper_uncertainty.LONG)) and c in cs]
+    setup = Setup(H200, model, DRAFTERS["dflash2"], paper.SPEC, loc)
+    return jobs + paper_uncertainty.rerun_jobs(keys, setup, constants)
+
+
+def submit_stages(pool, cal: paper_uncertainty.LocalityCalibration, quick: bool) -> dict:  # type: ignore[no-untyped-def]
+    """The smaller experiments, each as one task (their runs are their own)."""
+    loc, overlaps = cal.nominal, _overlaps(cal, quick)
+    return {"validation": pool.submit(_timed_call, validation.run_validation, overlaps=overlaps,
+                                      token_scale=64 if quick else 32, locality=loc),
+            "load_step": pool.submit(_timed_call, paper.load_step, (loc.overlap,), locality=loc),
+            "deepseek_500k": pool.submit(_timed_call, paper.deepseek_500k, overlaps=overlaps, locality=loc)}
+
+
+def _timed_call(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - start
 
 
 def calibrate() -> tuple[paper_uncertainty.LocalityCalibration, list[Row]]:
@@ -190,7 +279,8 @@ def calibrate() -> tuple[paper_uncertainty.LocalityCalibration, list[Row]]:
     return cal, rows
 
 
-def run_sensitivity(res32: dict, res100: dict, overlaps: tuple[float, ...], loc, constants, quick: bool) -> list[Row]:
+def run_sensitivity(res32: dict, res100: dict, overlaps: tuple[float, ...], loc, constants, quick: bool
+                    ) -> tuple[list[Row], list[Row]]:
     nominal = loc.overlap
     long = paper_uncertainty.LONG
     base = {k: v for k, v in res32.items() if k[2] == nominal}
@@ -204,14 +294,18 @@ def run_sensitivity(res32: dict, res100: dict, overlaps: tuple[float, ...], loc,
     rerun = paper_uncertainty.make_rerun(base, by_overlap, log=True)
     if quick:
         constants = tuple(c for c in constants if c.retime or c.field == "overlap")
-    return sensitivity(base, setup, paper_uncertainty.headline_claims, GLM5_INDEXSHARE_NVFP4.gpus, rerun, constants,
-                       workers=2)
+    claims = paper_uncertainty.headline_claims
+    gpus = GLM5_INDEXSHARE_NVFP4.gpus
+    sens = sensitivity(base, setup, claims, gpus, rerun, constants, workers=1)  # its re-simulations were run ahead
+    return sens, joint_time_ranges(base, setup, claims, gpus, sens, constants)
 
 
-def claims_table(sens: list[Row]) -> list[Row]:
+def claims_table(sens: list[Row], joint: list[Row]) -> list[Row]:
     """Per headline claim: the paper's number, our nominal prediction, the range over every constant's ends
-    and the constants that move it most."""
+    (one at a time), the range with every time-only constant at its adverse / favourable end at once, and the
+    constants that move it most."""
     ranges = claim_ranges(sens)
+    together = {str(r["claim"]): (float(r["joint_low"]), float(r["joint_high"])) for r in joint}
     out: list[Row] = []
     for claim, paper_value in paper_uncertainty.PAPER.items():
         if claim not in ranges:
@@ -220,8 +314,10 @@ def claims_table(sens: list[Row]) -> list[Row]:
         rows = sorted((r for r in sens if r["claim"] == claim and r["swing"] == r["swing"]),
                       key=lambda r: -float(r["swing"]))
         top = "; ".join(f"{r['constant']} {float(r['at_low']):.3g}–{float(r['at_high']):.3g}" for r in rows[:2])
+        jlo, jhi = together.get(claim, (float("nan"), float("nan")))
         out.append({"claim": claim, "paper": paper_value, "planner nominal": f"{nom:.3g}",
-                    "planner range": f"{lo:.3g}–{hi:.3g}", "depends most on (value at low–high end)": top})
+                    "planner range": f"{lo:.3g}–{hi:.3g}", "time-only constants jointly": f"{jlo:.3g}–{jhi:.3g}",
+                    "depends most on (value at low–high end)": top})
     return out
 
 

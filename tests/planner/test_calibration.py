@@ -19,7 +19,7 @@ from dhisparse.planner.calibrate import (
 from dhisparse.planner.constants import BY_NAME, CONSTANTS, Setup, table_markdown
 from dhisparse.planner.locality import LocalityModel
 from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.sensitivity import ratio_claims, sensitivity
+from dhisparse.planner.sensitivity import joint_time_ranges, ratio_claims, sensitivity
 from dhisparse.planner.simulator import simulate
 
 H200 = HARDWARE_PRESETS["h200"]
@@ -95,6 +95,13 @@ def test_sensitivity_is_deterministic_and_moves_the_right_way() -> None:
     ov = by[("adaptive / hisparse output C2", "locality overlap")]
     assert float(ov["at_low"]) > float(ov["at_high"])  # less locality, more misses for hisparse
     assert not any(math.isnan(float(r["swing"])) for r in runs[0])
+    # jointly: both time-only constants at their adverse / favourable ends together widen the one-at-a-time range
+    joint = {r["claim"]: r for r in joint_time_ranges(base, setup, claims, GLM.gpus, runs[0], constants)}
+    j = joint["adaptive / hisparse output C2"]
+    timed = [r for r in runs[0] if r["claim"] == j["claim"] and r["how"] == "re-timed"]
+    assert float(j["joint_low"]) <= min(min(float(r["at_low"]), float(r["at_high"])) for r in timed)
+    assert float(j["joint_high"]) >= max(max(float(r["at_low"]), float(r["at_high"])) for r in timed)
+    assert float(j["joint_low"]) < float(j["nominal"]) < float(j["joint_high"])
 
 
 def test_constants_table_lists_every_constant_with_a_source() -> None:

@@ -59,11 +59,31 @@ class ChunkedRows:
         index = index.to(self.device, torch.int64)
         if len(self.chunks) == 1:
             return self.chunks[0].index_select(0, index)
-        out = torch.zeros(index.numel(), self.row_dim, dtype=self.dtype)
         chunk_of = index // self.chunk_rows
+        if not self.pinned:
+            return self._index_select_host(index, chunk_of)
+        out = torch.zeros(index.numel(), self.row_dim, dtype=self.dtype)
         for k, chunk in enumerate(self.chunks):
             local = (index - k * self.chunk_rows).clamp(0, chunk.shape[0] - 1)
             out = torch.where((chunk_of == k).unsqueeze(1), chunk.index_select(0, local), out)
+        return out
+
+    def _index_select_host(self, index: torch.Tensor, chunk_of: torch.Tensor) -> torch.Tensor:
+        """:meth:`index_select` of a store that lives on the CPU alone (no device): the indices are host values,
+        so each chunk gathers only its own rows (the same result as the fixed-shape pass over every chunk, whose
+        cost grows with the number of chunks)."""
+        out = torch.zeros(index.numel(), self.row_dim, dtype=self.dtype)
+        n_chunks = len(self.chunks)
+        chunk_of = torch.where((chunk_of >= 0) & (chunk_of < n_chunks), chunk_of, n_chunks)  # n_chunks: none
+        order = torch.argsort(chunk_of, stable=True)
+        counts = torch.bincount(chunk_of, minlength=n_chunks + 1).tolist()
+        begin = 0
+        for k, chunk in enumerate(self.chunks):
+            if counts[k]:
+                at = order[begin:begin + counts[k]]
+                local = (index[at] - k * self.chunk_rows).clamp(0, chunk.shape[0] - 1)
+                out.index_copy_(0, at, chunk.index_select(0, local))
+            begin += counts[k]
         return out
 
     def index_copy_(self, dim: int, index: torch.Tensor, values: torch.Tensor) -> ChunkedRows:
@@ -74,10 +94,11 @@ class ChunkedRows:
             self.chunks[0].index_copy_(0, index, values)
             return self
         chunk_of = index // self.chunk_rows
-        for k, chunk in enumerate(self.chunks):
-            sel = chunk_of == k  # host indices: writes into the host store always have them on the host
-            if bool(sel.any()):
-                chunk.index_copy_(0, index[sel] - k * self.chunk_rows, values[sel])
+        # host indices: writes into the host store always have them on the host; visit only the chunks written
+        for k in torch.unique(chunk_of).tolist():
+            if 0 <= k < len(self.chunks):
+                sel = chunk_of == k
+                self.chunks[k].index_copy_(0, index[sel] - k * self.chunk_rows, values[sel])
         return self
 
     def fill_rows_(self, index: torch.Tensor, value: float) -> None:

@@ -9,7 +9,8 @@ what ``LLMEngine.step`` does, in the same order, with payload-free rows (zeros):
    refused → stop admitting this step (the request stays first in the queue); admitted → ``import_prompt``
    with zero rows, one output token (the prefill's), finished at once if that was its budget;
 3. one batched decode step over every running request: ``begin_step(ids, Q)``, per layer ``write`` then
-   ``gather(positions)``, ``end_step(accepted)``; then tokens are appended in batch order and finished
+   ``locations(positions)`` (what ``gather`` resolves and fetches, without reading the rows),
+   ``end_step(accepted)``; then tokens are appended in batch order and finished
    requests ``release``d.
 
 Every admission, reclaim, refill, hit and miss is therefore decided by ``dhisparse.kv``.
@@ -135,7 +136,9 @@ class EngineCore:
         for layer in self.layers:
             keys = self._zero(b, q, self.layout.index_key_dim) if layer in self.indexers else None
             step.write(layer, self._zero(b, q, self.layout.row_dim), keys)
-            step.gather(layer, positions[layer])
+            # the rows' locations: the same resolution, hot-cache update and host fetch as ``gather``, without
+            # reading the payload-free rows back (they are zeros and nothing uses them)
+            step.locations(layer, positions[layer])
         accepted = accept(batch, query_lens)
         remaining = torch.tensor([r.max_tokens - r.generated for r in batch], dtype=torch.int64)
         accepted = torch.minimum(accepted, remaining)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+from dhisparse.planner.batch import Job, run_job
 from dhisparse.planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
 from dhisparse.planner.constants import BY_NAME, Constant, Setup, affects
 from dhisparse.planner.locality import LocalityModel
@@ -96,6 +97,9 @@ def paper_shares(policy: str, locality: LocalityModel) -> dict[str, float]:
     return res.summary()
 
 
+FIT_ITERS = 3  # regula-falsi steps per one-dimensional fit (each step: one 32K/8K single-request simulation)
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalityCalibration:
     published: PublishedFit
@@ -105,10 +109,10 @@ class LocalityCalibration:
     recent_range: tuple[float, float]
 
 
-def calibrate_locality(trace: dict | None, log: bool = False) -> LocalityCalibration:
+def calibrate_locality(trace: dict | None, log: bool = False, iters: int = FIT_ITERS) -> LocalityCalibration:
     """Fit to the published shares and (if given) to an engine trace summary
     (:func:`dhisparse.planner.engine_trace.trace_summary`, e.g. ``docs/results/engine_trace.json``)."""
-    published = fit_published(paper_shares, LocalityModel(overlap=0.85, recent_fraction=0.3), iters=3,
+    published = fit_published(paper_shares, LocalityModel(overlap=0.85, recent_fraction=0.3), iters=iters,
                               overlap_bracket=(0.75, 0.95), recent_bracket=(0.1, 0.6))
     trace_fit = None
     if trace is not None:
@@ -162,16 +166,35 @@ def make_rerun(base: dict[Key, SimResult], by_overlap: dict[float, dict[Key, Sim
         for label, conc in RERUN_KEYS:
             if not affects(c, label) or (label, conc, nominal_ov) not in base:
                 continue
-            name, long = label.removesuffix(LONG), label.endswith(LONG)
-            serving = dataclasses.replace(parse_config(name, BASE, setup.speculation or SPEC,
-                                                       setup.model.index_topk), locality=setup.locality)
-            work = WorkloadSpec(102400 if long else 32768, 8192, concurrency=conc, num_requests=conc)
-            out[(label, conc, nominal_ov)] = simulate(setup.hw, setup.model, serving, work, SCALE)
+            out[(label, conc, nominal_ov)] = run_job(rerun_job(setup, label, conc))
             if log:
                 print(f"    {c.name} = {setup.current(c) * c.scale:.3g}: {label} C{conc} re-simulated", flush=True)
         return out
 
     return rerun
+
+
+def rerun_job(setup: Setup, label: str, conc: int) -> Job:
+    """The re-simulation of headline point ``(label, conc)`` (100K labels end in ``@100K``) under ``setup``."""
+    name, long = label.removesuffix(LONG), label.endswith(LONG)
+    serving = dataclasses.replace(parse_config(name, BASE, setup.speculation or SPEC, setup.model.index_topk),
+                                  locality=setup.locality)
+    work = WorkloadSpec(102400 if long else 32768, 8192, concurrency=conc, num_requests=conc)
+    return Job(setup.hw, setup.model, serving, work, SCALE)
+
+
+def rerun_jobs(base_keys: Iterable[Key], setup: Setup, constants: Iterable[Constant]) -> list[Job]:
+    """Every re-simulation :func:`make_rerun` will ask for (to run them ahead, :mod:`dhisparse.planner.batch`)."""
+    keys = set(base_keys)
+    jobs: list[Job] = []
+    for c in constants:
+        if c.retime or (c.target == "locality" and c.field == "overlap"):
+            continue
+        for value in c.range_around(setup.current(c)):
+            changed = setup.with_value(c, value)
+            jobs += [rerun_job(changed, label, conc) for label, conc in RERUN_KEYS
+                     if affects(c, label) and any(k[0] == label and k[1] == conc for k in keys)]
+    return jobs
 
 
 __all__ = ["BY_NAME", "PAPER", "calibrate_locality", "calibrated_constants", "headline_claims", "make_rerun"]

@@ -12,12 +12,12 @@ import csv
 import dataclasses
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.simulator import SimResult, simulate
+from dhisparse.planner.simulator import AHEAD_WALL_S, SimResult, simulate
 from dhisparse.planner.specs import HardwareSpec, ModelSpec
 from dhisparse.planner.speculation import SpeculationModel
 from dhisparse.planner.workload import ServingSpec, WorkloadSpec
@@ -90,7 +90,7 @@ def run_one(hw: HardwareSpec, model: ModelSpec, serving: ServingSpec, workload: 
     start = time.perf_counter()
     result = simulate(hw, model, serving, workload, scale)
     row = result_row(result, serving.label, workload.concurrency, serving.locality.overlap, model.gpus)
-    row["wall_s"] = time.perf_counter() - start
+    row["wall_s"] = AHEAD_WALL_S.get(id(result), time.perf_counter() - start)
     return row, result
 
 
@@ -104,28 +104,35 @@ def result_row(result: SimResult, label: str, concurrency: int, overlap: float, 
     return row
 
 
-def run_grid(hw: HardwareSpec, model: ModelSpec, grid: PlanGrid,
-             log: bool = False) -> tuple[list[dict[str, float | str]], dict[tuple[str, int, float], SimResult]]:
-    """Every grid point; ``resident`` configs run once (overlap-independent) and are reported for each overlap."""
-    rows: list[dict[str, float | str]] = []
-    results: dict[tuple[str, int, float], SimResult] = {}
+def grid_points(grid: PlanGrid, model: ModelSpec) -> Iterator[tuple[str, int, float, ServingSpec, WorkloadSpec, bool]]:
+    """Every grid point in table order: ``(label, concurrency, overlap, serving, workload, new)``; ``new`` is False
+    where the point's run is the previous one's (``resident`` does not depend on the overlap)."""
     for label in grid.configs:
         base = parse_config(label, grid.base_serving, grid.speculation, model.index_topk)
         for c in grid.concurrencies:
             workload = WorkloadSpec(grid.input_tokens, grid.output_tokens, concurrency=c,
                                     num_requests=c * grid.requests_per_client, seed=grid.seed)
-            cached: tuple[dict[str, float | str], SimResult] | None = None
-            for overlap in grid.overlaps:
+            for i, overlap in enumerate(grid.overlaps):
                 serving = dataclasses.replace(base, locality=dataclasses.replace(base.locality, overlap=overlap))
-                if cached is None or uses_locality(serving):
-                    cached = run_one(hw, model, serving, workload, grid.scale)
-                row = dict(cached[0], overlap=overlap)
-                rows.append(row)
-                results[(label, c, overlap)] = cached[1]
-                if log:
-                    print(f"  {label:>18} C{c:<4} overlap {overlap:.2f}: {row['output_tok_per_s_per_gpu']:8.1f} "
-                          f"tok/s/GPU, TPOT {1e3 * float(row['mean_tpot_s']):6.1f} ms, "
-                          f"host {100 * float(row['host_share']):5.1f}% ({float(row['wall_s']):.1f} s)", flush=True)
+                yield label, c, overlap, serving, workload, i == 0 or uses_locality(serving)
+
+
+def run_grid(hw: HardwareSpec, model: ModelSpec, grid: PlanGrid,
+             log: bool = False) -> tuple[list[dict[str, float | str]], dict[tuple[str, int, float], SimResult]]:
+    """Every grid point; ``resident`` configs run once (overlap-independent) and are reported for each overlap."""
+    rows: list[dict[str, float | str]] = []
+    results: dict[tuple[str, int, float], SimResult] = {}
+    cached: tuple[dict[str, float | str], SimResult] | None = None
+    for label, c, overlap, serving, workload, new in grid_points(grid, model):
+        if cached is None or new:
+            cached = run_one(hw, model, serving, workload, grid.scale)
+        row = dict(cached[0], overlap=overlap)
+        rows.append(row)
+        results[(label, c, overlap)] = cached[1]
+        if log:
+            print(f"  {label:>18} C{c:<4} overlap {overlap:.2f}: {row['output_tok_per_s_per_gpu']:8.1f} "
+                  f"tok/s/GPU, TPOT {1e3 * float(row['mean_tpot_s']):6.1f} ms, "
+                  f"host {100 * float(row['host_share']):5.1f}% ({float(row['wall_s']):.1f} s)", flush=True)
     return rows, results
 
 

@@ -99,6 +99,54 @@ def _end_claims(i: int) -> dict[str, float] | None:
     return None if results is None else claims(rows_of(results, gpus))
 
 
+def joint_time_ranges(base: dict[Key, SimResult], setup: Setup, claims: ClaimsFn, gpus: int,
+                      one_at_a_time: Sequence[Row], constants: Sequence[Constant] = CONSTANTS) -> list[Row]:
+    """Per claim: its value with *every* time-only constant at once at the end that lowered it one at a time
+    (``joint_low``) and at the end that raised it (``joint_high``), by re-timing (exact, cheap). The direction of
+    each constant is taken from the one-at-a-time rows (``sensitivity``), i.e. the claim is assumed monotonic in
+    each constant over its range; constants that did not move a claim stay nominal for it."""
+    timed = [c for c in constants if c.retime]
+    ends = {c.name: c.range_around(setup.current(c)) for c in timed}
+    nominal = claims(rows_of(base, gpus))
+    by_claim: dict[str, dict[str, Row]] = {}
+    for r in one_at_a_time:
+        by_claim.setdefault(str(r["claim"]), {})[str(r["constant"])] = r
+    cache: dict[tuple, dict[str, float]] = {}
+    out: list[Row] = []
+    for claim, nom in nominal.items():
+        got = {}
+        for side in ("low", "high"):
+            pick = []
+            for c in timed:
+                r = by_claim.get(claim, {}).get(c.name)
+                if r is None or math.isnan(float(r["swing"])) or float(r["at_low"]) == float(r["at_high"]):
+                    continue
+                low_end_lower = float(r["at_low"]) < float(r["at_high"])
+                pick.append((c, ends[c.name][0 if low_end_lower == (side == "low") else 1]))
+            key = tuple((c.name, v) for c, v in pick)
+            if key not in cache:
+                cache[key] = claims(rows_of(_retime_joint(base, setup, pick), gpus))
+            got[side] = cache[key].get(claim, math.nan)
+        out.append({"claim": claim, "nominal": nom, "joint_low": got["low"], "joint_high": got["high"],
+                    "constants": "every time-only constant at its end (direction from the one-at-a-time bars)"})
+    return out
+
+
+def _retime_joint(base: dict[Key, SimResult], setup: Setup, pick: Sequence[tuple[Constant, float]]
+                  ) -> dict[Key, SimResult]:
+    changed = setup
+    for c, v in pick:
+        changed = changed.with_value(c, v)
+    out: dict[Key, SimResult] = {}
+    for key, res in base.items():
+        drafter = res.drafter
+        for c, v in pick:
+            if c.target == "drafter" and drafter is not None:
+                drafter = dataclasses.replace(drafter, **{c.field: v})
+        out[key] = retime(res, changed.hw, changed.model, drafter)
+    return out
+
+
 def claim_ranges(rows: Sequence[Row]) -> dict[str, tuple[float, float, float]]:
     """Per claim: (nominal, lowest, highest) value over every constant's two ends."""
     out: dict[str, tuple[float, float, float]] = {}
