@@ -2,7 +2,8 @@
 policy, from the code the V4 manager admits with, how many requests fit one H200's KV pool, and the C512
 throughput experiment (resident / hisparse / adaptive, each with DSpark) on the V4 time model.
 
-Writes ``docs/results/deepseek_v4_500k_footprint.csv``, ``docs/results/deepseek_v4_500k_throughput.csv`` and
+Also run by ``scripts/reproduce_paper.py`` (its DeepSeek-V4 stage and claim rows). Writes
+``docs/results/deepseek_v4_500k_footprint.csv``, ``docs/results/deepseek_v4_500k_throughput.csv`` and
 ``docs/results/deepseek_v4_500k.md``.
 """
 
@@ -102,8 +103,9 @@ def ratio_lines(rows: list[dict[str, object]]) -> str:
     return out
 
 
-def main() -> None:
-    out_dir = Path(__file__).resolve().parents[1] / "docs" / "results"
+def main(out_dir: Path | None = None) -> list[dict[str, object]]:
+    """Write the footprint and throughput results into ``out_dir`` (default docs/results); return the runs."""
+    out_dir = Path(__file__).resolve().parents[1] / "docs" / "results" if out_dir is None else Path(out_dir)
     pool = kv_pool_bytes()
     rows = []
     for policy in ("resident", "hisparse", "adaptive"):
@@ -146,6 +148,7 @@ def main() -> None:
     (out_dir / "deepseek_v4_500k.md").write_text(TEMPLATE.format(pool=rows[0]["pool_gib"], table=head + body,
                                                                  throughput=thead + tbody, ratios=ratios,
                                                                  steps=steps))
+    return runs
 
 
 TEMPLATE = """# DeepSeek-V4-Flash at 500K: per-request footprint and the C512 throughput experiment
