@@ -4,7 +4,8 @@ The KV pool (``pool_bytes``) is the budget admission charges for what outlives a
 page tables, hot-cache state, speculative state). Not yet one physical allocation: the arena is sized to the whole
 pool and the persistent batch state (``kv/batch_state.py``: page tables, hot state and indexer keys by slot,
 ``batch_state_bytes`` in ``stats()``) is allocated beside it, so the KV side's device bytes are at most
-``pool_bytes + batch_state_bytes`` (issue 17: carving the batch state out of the arena is open). Each forward also allocates temporaries; they are bounded here by the configuration alone —
+``pool_bytes + batch_state_bytes`` (issue 17: carving the batch state out of the arena is open).
+Each forward also allocates temporaries; they are bounded here by the configuration alone —
 ``max_batch_size``, ``prefill_chunk_tokens``, the verification length and the model config — because the indexer
 scores keys ``INDEX_TILE_TOKENS`` at a time and queries ``QUERY_TILE_TOKENS`` at a time, and prefill attention reads
 its selected rows ``QUERY_TILE_TOKENS`` queries at a time: neither grows with the context, and the attention part
