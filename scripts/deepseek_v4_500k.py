@@ -103,6 +103,13 @@ def ratio_lines(rows: list[dict[str, object]]) -> str:
     return out
 
 
+def _write_csv(path: Path, rows: list[dict[str, object]]) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(out_dir: Path | None = None) -> list[dict[str, object]]:
     """Write the footprint and throughput results into ``out_dir`` (default docs/results); return the runs."""
     out_dir = Path(__file__).resolve().parents[1] / "docs" / "results" if out_dir is None else Path(out_dir)
@@ -121,10 +128,7 @@ def main(out_dir: Path | None = None) -> list[dict[str, object]]:
             "max_concurrency_per_gpu": int(pool // split["required_bytes"]),
             "max_concurrency_8_gpus": 8 * int(pool // split["required_bytes"]),
         })
-    with open(out_dir / "deepseek_v4_500k_footprint.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    _write_csv(out_dir / "deepseek_v4_500k_footprint.csv", rows)
     head = "| policy | required GiB | CSA entry pages GiB | tail GiB (of which index keys) | optional GiB | " \
            "max C per GPU | max C, 8 GPUs |\n| --- | --- | --- | --- | --- | --- | --- |\n"
     body = "".join(f"| {r['policy']} | {r['required_gib']} | {r['csa_entry_pages_gib']} | {r['tail_gib']} "
@@ -132,10 +136,7 @@ def main(out_dir: Path | None = None) -> list[dict[str, object]]:
                    f"{r['max_concurrency_8_gpus']} |\n" for r in rows)
     print(head + body)
     runs = throughput_rows()
-    with open(out_dir / "deepseek_v4_500k_throughput.csv", "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(runs[0]))
-        writer.writeheader()
-        writer.writerows(runs)
+    _write_csv(out_dir / "deepseek_v4_500k_throughput.csv", runs)
     thead = "| reading | config | KV read | overlap | max batch | tok/s per GPU (run) | tok/s per GPU (full batch) | " \
             "mean TPOT ms | host / hot / direct % |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     tbody = "".join(

@@ -35,7 +35,7 @@ from dhisparse.errors import EngineDeadError
 from dhisparse.serving.engine_metrics import EngineMetrics
 from dhisparse.serving.llm_request import LLMRequest, output_arrays
 from dhisparse.serving.stop_sequences import StopSequenceMatcher
-from dhisparse.serving.triton_tensors import error_response, response
+from dhisparse.serving.triton_tensors import response, send
 
 _END = object()
 _CANCELLED = object()
@@ -181,12 +181,7 @@ class GenerationService:
                 self._open.pop(request_id, None)
                 for client in [c for c, r in self._by_client.items() if r == request_id]:
                     del self._by_client[client]
-            if arrays is None:
-                sender.send(flags=flags)
-            elif isinstance(arrays, BaseException):
-                sender.send(error_response(self._pb, arrays), flags=flags)
-            else:
-                sender.send(response(self._pb, arrays), flags=flags)
+            send(self._pb, sender, arrays, flags)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         with self._lock:

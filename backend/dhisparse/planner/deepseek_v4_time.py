@@ -42,8 +42,8 @@ import torch
 
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
 from dhisparse.model.deepseek_v4.weights import expected_shapes
-from dhisparse.planner.overlap import exposed_fetch_seconds
 from dhisparse.planner.specs import DrafterSpec, HardwareSpec
+from dhisparse.planner.timing import combine_step
 
 
 @dataclass(frozen=True)
@@ -160,16 +160,7 @@ def v4_step_seconds(hw: HardwareSpec, costs: V4Costs, dep: V4Deployment, load: V
     flops = (2.0 * costs.params.active * instance_tokens / dep.gpus
              + c.num_attention_heads / dep.attn_tp * costs.attn_flops_per_head_row * rows
              + c.index_n_heads / dep.attn_tp * 2.0 * c.index_head_dim * keys)
-    rate = hw.flops_per_s * hw.mfu
-    compute = max(hbm, flops / rate)
-    fetch = load.host_bytes / hw.host_link_bytes_per_s
-    host = exposed_fetch_seconds(fetch, compute, max(1, len(c.csa_layers)), 1, hw.prefetch_efficiency)
-    draft = 0.0
-    if drafter is not None and load.draft_tokens > 0:
-        draft = (drafter.pass_overhead_s + drafter.weight_bytes / hw.hbm_bytes_per_s
-                 + drafter.flops_per_token * load.draft_tokens / rate)
-    link = (load.host_bytes + load.refill_bytes) / hw.host_link_bytes_per_s
-    total = max(hw.step_overhead_s + compute + host + draft, link)
-    return {"total": total, "overhead": hw.step_overhead_s, "compute": compute, "hbm": hbm, "flops_s": flops / rate,
-            "host": host, "fetch": fetch, "draft": draft, "link": link, "rows": rows, "keys": keys}
+    parts = combine_step(hw, hbm, flops, load.host_bytes, load.refill_bytes, load.draft_tokens,
+                         max(1, len(c.csa_layers)), 1, drafter)  # each CSA layer owns its indexer: groups of 1
+    return {**parts, "hbm": hbm, "flops_s": flops / (hw.flops_per_s * hw.mfu), "rows": rows, "keys": keys}
 

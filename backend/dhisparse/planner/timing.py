@@ -65,20 +65,30 @@ def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
                         drafter: DrafterSpec | None = None) -> dict[str, float]:
     """Time of one real decode (or verification) step and its parts (seconds): ``host`` is the exposed
     fetch time, ``fetch`` all of it, ``link`` the host link's busy time (fetches + refills)."""
-    rate = hw.flops_per_s * hw.mfu
     kv_bytes = load.attention_rows * model.row_bytes + load.index_keys_scanned * model.index_key_bytes
     hbm = (weight_bytes_read(model, load.query_tokens) + kv_bytes) / hw.hbm_bytes_per_s
     flops = (2.0 * model.active_params / model.gpus * load.query_tokens
              + 2.0 * model.index_heads * model.index_head_dim * load.index_keys_scanned / model.gpus
              + model.attn_flops_per_head_row * model.attn_heads * load.attention_rows)
-    compute = max(hbm, flops / rate)
-    fetch = load.host_bytes / hw.host_link_bytes_per_s
-    host = exposed_fetch_seconds(fetch, compute, model.num_layers, model.index_group_size, hw.prefetch_efficiency)
+    return combine_step(hw, hbm, flops, load.host_bytes, load.refill_bytes, load.draft_tokens, model.num_layers,
+                        model.index_group_size, drafter)
+
+
+def combine_step(hw: HardwareSpec, hbm_s: float, flops: float, host_bytes: float, refill_bytes: float,
+                 draft_tokens: int, num_layers: int, index_group_size: int,
+                 drafter: DrafterSpec | None = None) -> dict[str, float]:
+    """A step's time from its parts (seconds), shared by every model family's time model: compute is the larger of
+    HBM time and FLOP time; the host fetch is exposed as the index-group schedule says (overlap.py); the drafter's
+    pass is serial; the link (fetches + asynchronous refills) bounds the step from below."""
+    rate = hw.flops_per_s * hw.mfu
+    compute = max(hbm_s, flops / rate)
+    fetch = host_bytes / hw.host_link_bytes_per_s
+    host = exposed_fetch_seconds(fetch, compute, num_layers, index_group_size, hw.prefetch_efficiency)
     draft = 0.0
-    if drafter is not None and load.draft_tokens > 0:
+    if drafter is not None and draft_tokens > 0:
         draft = (drafter.pass_overhead_s + drafter.weight_bytes / hw.hbm_bytes_per_s
-                 + drafter.flops_per_token * load.draft_tokens / rate)
-    link = (load.host_bytes + load.refill_bytes) / hw.host_link_bytes_per_s
+                 + drafter.flops_per_token * draft_tokens / rate)
+    link = (host_bytes + refill_bytes) / hw.host_link_bytes_per_s
     total = max(hw.step_overhead_s + compute + host + draft, link)
     return {"total": total, "overhead": hw.step_overhead_s, "compute": compute, "host": host, "draft": draft,
             "fetch": fetch, "link": link}

@@ -26,7 +26,7 @@ from dhisparse.serving.llm_outputs import ResponseBuilder
 from dhisparse.serving.llm_request import LLMRequest
 from dhisparse.serving.response_group import ResponseGroup
 from dhisparse.serving.stop_sequences import StopSequenceMatcher
-from dhisparse.serving.triton_tensors import error_response, response
+from dhisparse.serving.triton_tensors import send
 
 
 class LLMService:
@@ -110,12 +110,7 @@ class LLMService:
             self._send_now(sender, arrays_or_error, flags)
 
     def _send_now(self, sender: Any, arrays_or_error: dict | BaseException | Any | None, flags: int) -> None:
-        if arrays_or_error is None:
-            sender.send(flags=flags)
-        elif isinstance(arrays_or_error, dict):
-            sender.send(response(self._pb, arrays_or_error), flags=flags)
-        else:
-            sender.send(error_response(self._pb, arrays_or_error), flags=flags)
+        send(self._pb, sender, arrays_or_error, flags)
 
     def _respond(self, request_id: str, request: LLMRequest, stream: Iterable, sender: Any,
                  sequence_index: int = 0) -> None:

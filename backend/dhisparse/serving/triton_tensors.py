@@ -7,6 +7,7 @@ works on plain `dict[str, np.ndarray]` and is testable without a server.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -35,6 +36,33 @@ def error_response(pb: Any, error: BaseException | Any) -> Any:
     """An `InferenceResponse` carrying `error`: a `pb.TritonError` as is, an exception as its text."""
     triton_error = error if isinstance(error, pb.TritonError) else pb.TritonError(str(error))
     return pb.InferenceResponse(output_tensors=[], error=triton_error)
+
+
+def send(pb: Any, sender: Any, arrays_or_error: Mapping[str, np.ndarray] | BaseException | Any | None,
+         flags: int) -> None:
+    """Send through a response sender: flags only (``None``), output arrays (a mapping) or an error (anything else:
+    an exception or a `pb.TritonError`)."""
+    if arrays_or_error is None:
+        sender.send(flags=flags)
+    elif isinstance(arrays_or_error, Mapping):
+        sender.send(response(pb, arrays_or_error), flags=flags)
+    else:
+        sender.send(error_response(pb, arrays_or_error), flags=flags)
+
+
+def unload_in_background(pb: Any, model_name: str, reason: str) -> None:
+    """A model whose engine stopped (every client has its error) unloads itself, so its readiness turns false.
+    Needs explicit model control (dhisparse-serve runs Triton so); otherwise the model keeps answering errors.
+    From a thread: Triton's unload waits for the model's own calls to return."""
+    pb.Logger.log_error(f"{model_name}: the engine stopped, unloading the model: {reason}")
+
+    def unload() -> None:
+        try:
+            pb.unload_model(model_name)
+        except Exception as error:
+            pb.Logger.log_error(f"{model_name}: could not unload itself ({error}); it answers errors")
+
+    threading.Thread(target=unload, name="dhisparse-unload", daemon=True).start()
 
 
 def parameter(config: Mapping[str, Any], key: str, default: str | None = None) -> str:

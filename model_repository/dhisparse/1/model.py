@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -39,17 +38,8 @@ class TritonPythonModel:
         self.exclude_input_default = parameters.get("exclude_input_in_output", "true").lower() == "true"
 
     def _engine_dead(self, reason: str) -> None:
-        """The engine stopped (every client has its error): unload this model so its readiness turns false.
-        Needs explicit model control (dhisparse-serve runs Triton so); otherwise it keeps answering errors."""
-        pb_utils.Logger.log_error(f"{self.name}: the engine stopped, unloading the model: {reason}")
-
-        def unload() -> None:
-            try:
-                pb_utils.unload_model(self.name)
-            except Exception as error:
-                pb_utils.Logger.log_error(f"{self.name}: could not unload itself ({error}); it answers errors")
-
-        threading.Thread(target=unload, name="dhisparse-unload", daemon=True).start()
+        """The engine stopped (every client has its error): unload this model so its readiness turns false."""
+        self.tensors.unload_in_background(pb_utils, self.name, reason)
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 
 import triton_python_backend_utils as pb_utils
 
@@ -41,16 +40,8 @@ class TritonPythonModel:
 
     def _engine_dead(self, reason: str) -> None:
         """The engine stopped (every client has its error): unload this model so its readiness turns false, like
-        the co-located `dhisparse` model. Needs explicit model control (dhisparse-serve runs Triton so)."""
-        pb_utils.Logger.log_error(f"{self.name}: the engine stopped, unloading the model: {reason}")
-
-        def unload() -> None:
-            try:
-                pb_utils.unload_model(self.name)
-            except Exception as error:
-                pb_utils.Logger.log_error(f"{self.name}: could not unload itself ({error}); it answers errors")
-
-        threading.Thread(target=unload, name="dhisparse-unload", daemon=True).start()
+        the co-located `dhisparse` model."""
+        self.tensors.unload_in_background(pb_utils, self.name, reason)
 
     def execute(self, requests: list) -> None:
         for request in requests:
