@@ -121,13 +121,17 @@ def test_streamed_prefill_holds_one_chunk_of_rows_on_the_device(tiny_engine, mon
 
 def test_bound_grows_with_max_model_len_only_by_the_prompts_indexer_keys(tiny_checkpoint) -> None:
     """With a streamed prefill the indexer, attention and activation terms do not depend on max_model_len, and the
-    prefill's KV grows only by the prompt's indexer keys (a LocalKV prefill grows by every layer's rows too)."""
+    prefill's KV grows only by the prompt's indexer keys when they are held until import (FP8 keys), not at all
+    when they are written into the request's key pages (native keys); a LocalKV prefill grows by every layer's rows
+    too."""
     cfg = read_config(tiny_checkpoint("glm_fsfs_sparse"))
     e, keys_per_token = 4, len(cfg.indexer_layers) * cfg.index_head_dim * 4
 
-    def bound(length: int, streamed: bool):
+    def bound(length: int, streamed: bool, keys_in_place: bool = False):
         return workspace_bound(cfg, torch.float32, max_batch_size=2, prefill_chunk_tokens=32, query_len=1,
-                               max_model_len=length, page_rows=16, hot_rows=8, streamed_prefill=streamed)
+                               max_model_len=length, page_rows=16, hot_rows=8, streamed_prefill=streamed,
+                               keys_in_place=keys_in_place)
+    assert bound(4096, True, True).prefill_kv_bytes == bound(65536, True, True).prefill_kv_bytes
     short, long = bound(4096, True), bound(65536, True)
     assert (short.indexer_bytes, short.attention_bytes, short.activation_bytes) == (
         long.indexer_bytes, long.attention_bytes, long.activation_bytes)

@@ -134,11 +134,14 @@ def test_required_bytes_with_speculation_are_without_plus_ring_plus_staging(poli
         staging_rows = 0 if policy == "resident" else (gamma + 1) * 4 - 4
         assert b.staging_overflow_bytes == 2 * -(-staging_rows // 4) * 4 * layout.row_bytes
         # the block's own rows: tail pages (host-backed: one more ring page whenever gamma spans one) and the
-        # gamma extra positions' indexer keys / page-table entries
+        # gamma extra positions' indexer-key pages (keys of one layer per arena page: kv/index_keys.py) /
+        # page-table entries
         pages_a, pages_b = -(-(prompt + new) // 4), -(-(prompt + new + gamma) // 4)
+        per_page = 4 * layout.row_bytes // layout.index_key_bytes
+        key_pages = 2 * (-(-(prompt + new + gamma) // per_page) - -(-(prompt + new) // per_page))
         extra_tail = (pages_b - pages_a) if policy == "resident" else (
             min(-(-(3 + gamma + 1) // 4) + 1, pages_b) - min(2, pages_a))
-        block = 4 * extra_tail * 4 * layout.row_bytes + 4 * (pages_b - pages_a) * 8 + gamma * 2 * 2 * 8
+        block = 4 * extra_tail * 4 * layout.row_bytes + 4 * (pages_b - pages_a) * 8 + key_pages * 4 * layout.row_bytes
         assert b.staging_block_bytes == block
         assert b.required_bytes == a.required_bytes + ring + b.staging_bytes
         assert b.speculative_bytes == ring + b.staging_bytes

@@ -81,8 +81,10 @@ def test_budget_rule_and_invariants_hold_over_1e5_manager_steps() -> None:
 @pytest.mark.parametrize("policy", ["resident", "hisparse", "adaptive"])
 def test_scaled_required_bytes_match_the_real_footprint(name: str, policy: str) -> None:
     model = MODEL_PRESETS[name]
-    # page tables are over-counted g-fold and IndexShare key widths rounded (docs/planner.md)
-    for g, bound in ((1, 0.005), (16, 0.03), (64, 0.12)):
+    # page tables are over-counted g-fold, and indexer keys are paged: a simulated page of page_rows / g rows holds
+    # a whole number of keys, rounded from the real count scaled (IndexShare at g = 16: 19 for 19.4, +3.7 %)
+    # (docs/planner.md)
+    for g, bound in ((1, 0.005), (16, 0.04), (64, 0.12)):
         kv = build_scaled_kv(model, ScaleSpec(g), policy, 50e9, model.index_topk, 64, 0, 64, 1)
         err = footprint_error(kv, 32768, 8192)["relative_error"]
         assert abs(err) <= bound, (g, err)

@@ -24,7 +24,16 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         return _deepseek_v4_manager(model_cfg, cfg, device, max_query_len, draft_ring_bytes)
     if policy_named(cfg.kv_policy, "kv_policy").reference_store:  # the reference store: always torch
         return DenseKVManager(model_cfg, cfg.torch_dtype, device, max_query_len)
-    from dhisparse.kv import KVConfig, KVLayout, KVManager
+    from dhisparse.kv import KVManager
+
+    layout, kv_cfg = hierarchy_layout_config(model_cfg, cfg, max_query_len, draft_ring_bytes)
+    return KVManager(layout, kv_cfg, device, kernels=kernels)
+
+
+def hierarchy_layout_config(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: int = 1,
+                            draft_ring_bytes: int = 0):
+    """The ``(KVLayout, KVConfig)`` of the hierarchy's policies for a DSA model (what ``make_kv_manager`` builds)."""
+    from dhisparse.kv import KVConfig, KVLayout
 
     layout = KVLayout.from_model_config(model_cfg, cfg.torch_dtype, "fp8" if cfg.kv_dtype == "fp8" else "native",
                                         "fp8" if cfg.index_key_dtype == "fp8" else "native")
@@ -36,7 +45,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
         max_batch_size=cfg.max_batch_size,
         max_model_len=min(cfg.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings),
     )
-    return KVManager(layout, kv_cfg, device, kernels=kernels)
+    return layout, kv_cfg
 
 
 def _deepseek_v4_manager(model_cfg, cfg: EngineConfig, device: torch.device, max_query_len: int,

@@ -15,10 +15,10 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.faults import FaultInjector, FaultyStepKV
-from dhisparse.engine.kv_factory import make_kv_manager
+from dhisparse.engine.kv_factory import hierarchy_layout_config, make_kv_manager
 from dhisparse.engine.prefill_stream import StreamedPrefillKV
 from dhisparse.engine.request import Request, RequestUpdate, Status
-from dhisparse.engine.workspace import auto_pool_bytes, workspace_bound
+from dhisparse.engine.workspace import auto_pool_bytes, kv_fixed_bytes, workspace_bound
 from dhisparse.errors import ConfigError, EngineDeadError, InvalidRequestError
 from dhisparse.kv.copies import CopyError
 from dhisparse.kv.policies import policy_named
@@ -101,10 +101,12 @@ class LLMEngine:
                                 and cfg.kv_dtype == "auto"
                                 and policy_named(cfg.kv_policy, "kv_policy").uses_host)
         # The workspace bound models the DSA (GLM / DeepSeek-V3.2) forward; deepseek_v4 has none yet.
+        ring = speculator.ring_bytes_per_request if speculator is not None else 0
         self.workspace = None if is_v4 else workspace_bound(
             mcfg, cfg.torch_dtype, max_batch_size=cfg.max_batch_size, prefill_chunk_tokens=cfg.prefill_chunk_tokens,
             query_len=self.query_len, max_model_len=self.max_model_len, page_rows=cfg.page_rows,
-            hot_rows=cfg.hot_rows or mcfg.index_topk, streamed_prefill=self.streams_prefill)
+            hot_rows=cfg.hot_rows or mcfg.index_topk, streamed_prefill=self.streams_prefill,
+            kv_fixed_bytes=self._kv_fixed_bytes(cfg, ring), keys_in_place=cfg.index_key_dtype != "fp8")
         if cfg.pool_bytes == 0:  # "auto"
             if self.workspace is None:
                 raise ConfigError("pool_bytes 0 ('auto') needs the device workspace bound, which is not modelled "
@@ -113,7 +115,6 @@ class LLMEngine:
             self.cfg = cfg
         if self.workspace is not None:
             log.info("%s; KV pool %d bytes", self.workspace.describe(), cfg.pool_bytes)
-        ring = speculator.ring_bytes_per_request if speculator is not None else 0
         self.kv = make_kv_manager(mcfg, cfg, self.query_len, draft_ring_bytes=ring)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -125,6 +126,17 @@ class LLMEngine:
             self.kv.copies.fault_hook = self.faults.copy_hook
         self._fault_layer = mcfg.num_hidden_layers // 2
         self.dead: str | None = None  # why the engine stopped, a message for clients (None: serving)
+
+    def _kv_fixed_bytes(self, cfg: EngineConfig, ring: int) -> int:
+        """The KV side's fixed device state beside the arena (``engine/workspace.py``): the hierarchy's batch state,
+        zero page and scratch row, and the draft ring's tensors (0 for the dense reference store)."""
+        spec_bytes = 0 if self.spec is None else sum(t.numel() * t.element_size()
+                                                     for t in (self.spec.ring.rows, self.spec.ring.count))
+        if policy_named(cfg.kv_policy, "kv_policy").reference_store:
+            return spec_bytes
+        sized = dataclasses.replace(cfg, pool_bytes=max(cfg.pool_bytes, cfg.reserve_bytes + 1))
+        layout, kv_cfg = hierarchy_layout_config(self.model.cfg, sized, self.query_len, ring)
+        return kv_fixed_bytes(layout, kv_cfg) + spec_bytes
 
     # ------------------------------------------------------------------------------------------- requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -299,8 +311,9 @@ class LLMEngine:
                                  **({"store": store} if store is not None else {}))  # DSAModel only
         if req.params.context_logits:
             req.context_logits = out.all_logits
-        if out.rows is None:  # streamed: the rows are in the request's host pages already
-            self.kv.import_host_history(req.request_id, out.index_keys)
+        if out.rows is None:  # streamed: the rows are in the request's host pages already (and the keys in place)
+            assert store is not None
+            self.kv.import_host_history(req.request_id, None if store.request_keys is not None else out.index_keys)
         else:
             self.kv.import_prompt(req.request_id, out.rows, out.index_keys)
         if self.spec is not None:
@@ -318,7 +331,7 @@ class LLMEngine:
         if row_index is None:
             return None
         return StreamedPrefillKV(self.kv.layout, self.kv.host.rows, row_index, self.cfg.prefill_chunk_tokens,
-                                 self.model.dtype, self.model.device)
+                                 self.model.dtype, self.model.device, self.kv.request_keys(req.request_id))
 
     def _prefill_chunk_hook(self, start: int) -> None:
         self.faults.hit("prefill_chunk")

@@ -6,7 +6,8 @@ whole request at admission (:meth:`KVManager.history_host_rows` names the prompt
 chunk after chunk over a :class:`StreamedPrefillKV`:
 
 - ``write`` puts the chunk's rows in a device buffer of ``prefill_chunk_tokens`` rows per source and its indexer
-  keys in the prompt's key buffer;
+  keys straight into the request's key pages in the arena (:class:`dhisparse.kv.index_keys.RequestKeys`; with FP8
+  keys, whose stored form is quantized, into a buffer of the prompt's keys instead, imported afterwards);
 - ``gather`` serves positions of the current chunk from that buffer and earlier positions from the host store
   (the distinct positions the chunk's queries selected, one host→device copy per layer and query tile);
 - ``end`` (after each chunk's forward) copies the chunk's rows into the host pages.
@@ -16,8 +17,10 @@ disaggregated prefill: tail and, ``adaptive``, optional pages are filled from ho
 host in the layout's native format unchanged (same dtype), so tokens are exactly those of the ``LocalKV`` prefill;
 FP8 rows would let later chunks attend to quantized earlier rows, so ``kv_dtype='fp8'`` keeps the ``LocalKV``.
 
-What still scales with the prompt on the device is its indexer keys (``[T, index_head_dim]`` per indexer layer, a
-few per cent of the rows), held here until the import copies them to the request's keys.
+With native keys nothing of the prefill's own KV scales with the prompt on the device: the keys are where decode
+reads them (charged at admission with the request's other pages). With FP8 keys the prompt's keys (``[T,
+index_head_dim]`` per indexer layer) are held here until the import quantizes them into the request's key pages, so
+the prefill's indexer scores the exact keys as the ``LocalKV`` prefill does.
 """
 
 from __future__ import annotations
@@ -26,24 +29,28 @@ import torch
 
 from dhisparse.kv.config import KVLayout
 from dhisparse.kv.host_store import ChunkedRows
+from dhisparse.kv.index_keys import RequestKeys
 
 
 class StreamedPrefillKV:
     """``StepKV`` of one request's prefill (B = 1) whose committed rows live in host-store rows ``host_rows`` at
-    ``row_index [num_sources, prompt_len]`` (CPU int64); ``chunk_tokens`` rows per source on ``device``."""
+    ``row_index [num_sources, prompt_len]`` (CPU int64); ``chunk_tokens`` rows per source on ``device``.
+    ``request_keys``: the request's key pages (native keys), written and read in place; ``None``: a key buffer of
+    the whole prompt (:attr:`keys`, empty when the keys are written in place)."""
 
     query_tiled_gather = True  # gather is a lookup with no per-layer state: attention may read it per query tile
 
     def __init__(self, layout: KVLayout, host_rows: ChunkedRows, row_index: torch.Tensor, chunk_tokens: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, request_keys: RequestKeys | None = None) -> None:
         if layout.row_format != "native":
             raise ValueError(f"a streamed prefill needs native rows (row_format {layout.row_format!r})")
         self.layout, self.host_rows, self.row_index = layout, host_rows, row_index
         self.source_of_layer = layout.source_of_layer
         sources, prompt_len = row_index.shape
         self.buffer = torch.zeros(sources, chunk_tokens, layout.row_dim, dtype=dtype, device=device)
-        self.keys = {i: torch.zeros(prompt_len, layout.index_key_dim, dtype=dtype, device=device)
-                     for i in layout.indexer_layers}
+        self.request_keys = request_keys
+        self.keys = {} if request_keys is not None else {
+            i: torch.zeros(prompt_len, layout.index_key_dim, dtype=dtype, device=device) for i in layout.indexer_layers}
         self.length = 0  # rows committed to the host store
         self.query_len = 0
         self.lengths = torch.zeros(1, dtype=torch.int64, device=device)
@@ -68,11 +75,17 @@ class StreamedPrefillKV:
 
     def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         self.buffer[self.source_of_layer[layer], : self.query_len] = rows[0]
-        if index_keys is not None:
+        if index_keys is None:
+            return
+        if self.request_keys is not None:
+            self.request_keys.write(layer, self.length, index_keys[0])
+        else:
             self.keys[layer][self.length:self.length + self.query_len] = index_keys[0]
 
     def index_keys(self, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         stop = self.max_length if stop is None else stop
+        if self.request_keys is not None:
+            return self.request_keys.read(layer, start, stop).unsqueeze(0)
         return self.keys[layer][start:stop].unsqueeze(0)
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:

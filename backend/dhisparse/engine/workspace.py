@@ -1,18 +1,22 @@
 """The device workspace bound: what a forward allocates on the device beside the KV pool, from the configuration.
 
-The KV pool (``pool_bytes``) is the budget admission charges for what outlives a step (arena pages, indexer keys,
-page tables, hot-cache state, speculative state). Not yet one physical allocation: the arena is sized to the whole
-pool and the persistent batch state (``kv/batch_state.py``: page tables, hot state and indexer keys by slot,
-``batch_state_bytes`` in ``stats()``) is allocated beside it, so the KV side's device bytes are at most
-``pool_bytes + batch_state_bytes`` (issue 17: carving the batch state out of the arena is open).
+The KV pool (``pool_bytes``) is the arena: the budget admission charges for what a request holds (tail, hot-cache,
+staging and optional pages, and its indexer keys, which live in arena pages too: ``kv/index_keys.py``). What the
+KV side keeps on the device beyond it is fixed by the configuration and part of this bound: the persistent batch
+state (``kv/batch_state.py``: page tables, host page ids, hot-cache state, staging rows and key-page tables of
+``max_batch_size`` slots of ``max_model_len`` positions, ``batch_state_bytes`` in ``stats()``), the draft ring
+(``max_batch_size`` slots, when speculating) and the arena's zero page and scratch row. Admission still charges
+each request's page-table / hot-state bytes and its draft ring against the pool as well (the planner's
+per-request model of them), so those are counted twice: conservative, and small beside the pages.
 Each forward also allocates temporaries; they are bounded here by the configuration alone —
 ``max_batch_size``, ``prefill_chunk_tokens``, the verification length and the model config — because the indexer
 scores keys ``INDEX_TILE_TOKENS`` at a time and queries ``QUERY_TILE_TOKENS`` at a time, and prefill attention reads
 its selected rows ``QUERY_TILE_TOKENS`` queries at a time: neither grows with the context, and the attention part
 is capped by ``index_topk`` (rows attended per query), not by the chunk. What scales with ``max_model_len`` is the
 prefill's own KV: with a host store (``hisparse``/``adaptive``, native rows) prompts stream into their host pages
-chunk by chunk (``engine/prefill_stream.py``) and only the prompt's indexer keys scale (``index_head_dim`` values
-per token and indexer layer, held until import); otherwise (``resident``, FP8 rows, the dense reference) the
+chunk by chunk (``engine/prefill_stream.py``) and their indexer keys into the request's key pages, so nothing
+scales (with FP8 keys the prompt's exact keys are held until import: ``index_head_dim`` values per token and
+indexer layer); otherwise (``resident``, FP8 rows, the dense reference) the
 prefill's ``LocalKV`` holds the whole prompt's rows and keys until import.
 
 The estimate counts every temporary of one layer live at once (an upper bound: the forward frees them between
@@ -41,25 +45,29 @@ class WorkspaceBound:
     resolver_bytes: int  # one resolve call's temporaries and the step's stacked state
     activation_bytes: int  # hidden states of one forward (a few copies)
     prefill_kv_bytes: int  # prefill KV until import: a chunk of rows (streamed) or all rows, and the prompt's keys
+    kv_fixed_bytes: int = 0  # the KV side's fixed state beside the arena: batch state, draft ring, zero page
 
     @property
     def total_bytes(self) -> int:
         return (self.indexer_bytes + self.attention_bytes + self.resolver_bytes + self.activation_bytes
-                + self.prefill_kv_bytes)
+                + self.prefill_kv_bytes + self.kv_fixed_bytes)
 
     def describe(self) -> str:
         mib = 1 << 20
         return (f"device workspace bound {self.total_bytes / mib:.1f} MiB beside the KV pool (indexer "
                 f"{self.indexer_bytes / mib:.1f}, attention {self.attention_bytes / mib:.1f}, resolver "
                 f"{self.resolver_bytes / mib:.1f}, activations {self.activation_bytes / mib:.1f}, prefill KV "
-                f"{self.prefill_kv_bytes / mib:.1f} MiB)")
+                f"{self.prefill_kv_bytes / mib:.1f}, KV fixed state {self.kv_fixed_bytes / mib:.1f} MiB)")
 
 
 def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int, prefill_chunk_tokens: int,
                     query_len: int, max_model_len: int, page_rows: int, hot_rows: int,
-                    streamed_prefill: bool = False) -> WorkspaceBound:
+                    streamed_prefill: bool = False, kv_fixed_bytes: int = 0,
+                    keys_in_place: bool = False) -> WorkspaceBound:
     """The bound for one engine configuration (see the module docstring). ``streamed_prefill``: prompts stream
-    into their host pages chunk by chunk (``engine/prefill_stream.py``), so the prefill holds one chunk of rows."""
+    into their host pages chunk by chunk (``engine/prefill_stream.py``), so the prefill holds one chunk of rows.
+    ``kv_fixed_bytes``: the KV side's fixed state beside the arena (:func:`kv_fixed_bytes`). ``keys_in_place``: the
+    streamed prefill writes the prompt's indexer keys into the request's key pages (native keys), so it holds none."""
     e = dtype.itemsize
     topk = min(cfg.index_topk, max_model_len)
     tile = min(mla.INDEX_TILE_TOKENS, max_model_len)
@@ -76,7 +84,9 @@ def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int
         iq = batch * min(q, qt)
         indexer = max(indexer, iq * (3 * idx_heads * tile * F32 + 2 * idx_heads * d * F32 + 3 * tile * F32
                                      + 3 * tile + 2 * (topk + tile) * (F32 + I64))
-                      + rows * (2 * topk * (F32 + I64) + idx_heads * F32) + batch * tile * d * (e + 2 * F32))
+                      + rows * (2 * topk * (F32 + I64) + idx_heads * F32) + batch * tile * d * (e + 2 * F32)
+                      # a key tile is gathered from whole key pages: up to two arena pages more per request
+                      + batch * 2 * page_rows * cfg.row_dim * e)
         # Attention: gathered rows, scores and probabilities of one query tile (a prefill chunk over its LocalKV
         # is read QUERY_TILE_TOKENS queries at a time; a decode/verification step's few queries at once).
         aq = batch * (min(q, qt) if prefill else q)
@@ -91,14 +101,24 @@ def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int
         moe = cfg.num_experts_per_tok * (3 * cfg.hidden_size + 3 * cfg.moe_intermediate_size) * F32
         activations = max(activations, rows * (8 * cfg.hidden_size + 4 * cfg.intermediate_size) * F32
                           + rows * moe + rows * cfg.vocab_size * F32 * 2)
-    keys = max_model_len * len(cfg.indexer_layers) * d * e  # the prompt's indexer keys until import
+    # the prompt's indexer keys until import (none when a streamed prefill writes them into the key pages)
+    keys = 0 if streamed_prefill and keys_in_place else max_model_len * len(cfg.indexer_layers) * d * e
     if streamed_prefill:  # one chunk of rows per layer on the device, plus the distinct earlier rows one
         # query tile selected, fetched from the host store (host rows, their device copy, the row index)
         fetched = min(qt, prefill_chunk_tokens) * topk * (2 * cfg.row_dim * e + 3 * I64)
         prefill_kv = prefill_chunk_tokens * layers * cfg.row_dim * e + fetched + keys
     else:  # the whole prompt's rows (LocalKV)
         prefill_kv = max_model_len * layers * cfg.row_dim * e + keys
-    return WorkspaceBound(indexer, attention, resolver, activations, prefill_kv)
+    return WorkspaceBound(indexer, attention, resolver, activations, prefill_kv, kv_fixed_bytes)
+
+
+def kv_fixed_bytes(layout, config, ring_tensor_bytes: int = 0) -> int:
+    """Device bytes the KV hierarchy allocates beside the arena for a fixed-size configuration: the persistent batch
+    state, the draft ring's tensors and the arena's zero page and scratch row (``kv/device_pool.py``)."""
+    from dhisparse.kv.batch_state import BatchState  # late: dhisparse.kv imports the model package
+
+    return (BatchState.size_bytes(layout, config) + ring_tensor_bytes
+            + (config.page_rows + 1) * layout.row_bytes)
 
 
 def auto_pool_bytes(device: torch.device, workspace: WorkspaceBound, fraction: float = 0.9) -> int:

@@ -1,19 +1,25 @@
-"""Persistent batch state: page tables, hot caches, host page ids, staging rows and indexer keys of every admitted
-request in batched device tensors that requests occupy by *slot* (in the style of vLLM's persistent batch).
+"""Persistent batch state: page tables, hot caches, host page ids, staging rows and indexer-key page tables of every
+admitted request in batched device tensors that requests occupy by *slot* (in the style of vLLM's persistent batch).
 
 Each tensor has a leading slot dimension. A request gets the lowest free slot at admission and keeps it until
 ``release``; its :class:`~dhisparse.kv.request_state.RequestKV` holds *views* of its slot (``page_table``,
-``hot_pos``, ``hot_stamp``, ``hot_loc``, ``index_keys``), so every in-place update of the request's state (tail
+``hot_pos``, ``hot_stamp``, ``hot_loc``, ``key_pages``), so every in-place update of the request's state (tail
 mapping, reclaim, refill, the resolver's hot-cache update) is an update of the batched tensor. A step
 (:class:`~dhisparse.kv.step.StepKV`) reads the rows of its requests' slots — a slice view when the slots are
 consecutive in step order, one gather otherwise — and writes hot-cache changes back into the slots at once; it
 never stacks per-request tensors nor copies hot state back at ``end_step``.
 
-Between steps a free slot is empty: page table and hot positions ``-1``, stamps and indexer keys ``0``; an
+The indexer keys themselves live in arena pages (``kv/index_keys.py``): ``key_pages[slot, i, j]`` is the arena page
+holding positions ``j * keys_per_page ...`` of the request's ``i``-th indexer layer, or the pool's always-zero page
+where the request owns none. So the keys cost what the requests hold, inside ``pool_bytes``, not
+``max_batch_size * max_model_len``.
+
+Between steps a free slot is empty: page table and hot positions ``-1``, stamps ``0``, key pages the zero page; an
 admitted request's keys are zero past its length (``index_keys`` of a step reads them without masking).
 
 Size: ``KVConfig.max_batch_size`` slots of ``KVConfig.max_model_len`` positions (the engine sets both, so the
-state is allocated once at start; :attr:`nbytes` is printed with the workspace bound). Without them (direct
+state is allocated once at start; :attr:`nbytes`, :meth:`size_bytes`, is part of the workspace bound printed at
+start, ``engine/workspace.py``). Without them (direct
 users of ``KVManager``) the state starts small and grows by doubling when an admission needs more slots or
 positions; the requests' views are re-pointed then (between steps only).
 """
@@ -25,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dhisparse.kv.config import KVConfig, KVLayout
+from dhisparse.kv.device_pool import keys_per_page
 
 if TYPE_CHECKING:
     from dhisparse.kv.request_state import RequestKV
@@ -40,11 +47,15 @@ class BatchState:
         hot_pos / hot_stamp / hot_loc: ``[N, S, H]`` int64.
         host_pages: ``[N, S, M]`` int64 host page ids (``-1`` where none), on the device for the fetch list.
         staging_loc: ``[N, G, T]`` int64 arena rows of verification staging.
-        index_keys: layer -> ``[N, M * page_rows, index_key_dim]``.
+        key_pages: ``[N, L, KB]`` int64 arena page of each key block of each of the ``L`` indexer layers (the
+            zero page where none); ``KB = ceil(M * page_rows / keys_per_page)``.
     """
 
-    def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device, zero_page: int = -1) -> None:
         self.layout, self.config, self.device = layout, config, device
+        self.zero_page = zero_page
+        self.keys_per_page = keys_per_page(layout, config.page_rows)
+        self.layer_index = {layer: i for i, layer in enumerate(layout.indexer_layers)}
         self.hot_rows = config.hot_rows_for(layout)
         self.staging_slots = max(1, layout.staging_slots)
         self.staging_rows = config.staging_rows(layout)
@@ -59,6 +70,22 @@ class BatchState:
         """Pages per slot for requests of up to ``max_model_len`` tokens (plus a verification block)."""
         return -(-(max_model_len + self.config.max_query_len - 1) // self.config.page_rows)
 
+    def key_blocks_for(self, pages: int) -> int:
+        """Key pages per indexer layer covering ``pages`` pages of positions."""
+        return -(-pages * self.config.page_rows // self.keys_per_page) if self.keys_per_page else 0
+
+    @classmethod
+    def size_bytes(cls, layout: KVLayout, config: KVConfig) -> int:
+        """Device bytes of the state a fixed-size configuration allocates (``max_batch_size``/``max_model_len``)."""
+        probe = cls.__new__(cls)
+        probe.layout, probe.config = layout, config
+        probe.keys_per_page = keys_per_page(layout, config.page_rows)
+        slots, pages = config.max_batch_size, probe.pages_for(config.max_model_len)
+        sources, hot, i64 = layout.num_sources, config.hot_rows_for(layout), 8
+        staging = max(1, layout.staging_slots) * config.staging_rows(layout)
+        return i64 * slots * (2 * sources * pages + 3 * sources * hot + staging
+                              + len(layout.indexer_layers) * probe.key_blocks_for(pages))
+
     def _allocate(self, slots: int, pages: int) -> None:
         s, dev, lay = self.layout.num_sources, self.device, self.layout
         i64 = dict(dtype=torch.int64, device=dev)
@@ -68,9 +95,8 @@ class BatchState:
         self.hot_stamp = torch.zeros((slots, s, self.hot_rows), **i64)
         self.hot_loc = torch.full((slots, s, self.hot_rows), -1, **i64)
         self.staging_loc = torch.zeros((slots, self.staging_slots, self.staging_rows), **i64)
-        rows = pages * self.config.page_rows
-        self.index_keys = {layer: torch.zeros(slots, rows, lay.key_storage_dim, dtype=lay.key_storage_dtype, device=dev)
-                           for layer in lay.indexer_layers}
+        self.key_pages = torch.full((slots, len(lay.indexer_layers), self.key_blocks_for(pages)), self.zero_page,
+                                    **i64)
 
     @property
     def num_slots(self) -> int:
@@ -84,7 +110,7 @@ class BatchState:
     def nbytes(self) -> int:
         """Device bytes of the whole batch state."""
         tensors = [self.page_table, self.host_pages, self.hot_pos, self.hot_stamp, self.hot_loc, self.staging_loc,
-                   *self.index_keys.values()]
+                   self.key_pages]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------------------------------ slots
@@ -117,19 +143,17 @@ class BatchState:
         self.hot_stamp[slot] = 0
         self.hot_loc[slot] = -1
         self.staging_loc[slot] = 0
-        for keys in self.index_keys.values():
-            keys[slot] = 0
+        self.key_pages[slot] = self.zero_page
 
     def _grow(self, slots: int, pages: int, live: list[RequestKV]) -> None:
         old = (self.page_table, self.host_pages, self.hot_pos, self.hot_stamp, self.hot_loc, self.staging_loc,
-               self.index_keys)
+               self.key_pages)
         n, m = self.num_slots, self.pages_per_slot
         self._allocate(slots, pages)
         self.page_table[:n, :, :m] = old[0]
         self.host_pages[:n, :, :m] = old[1]
         self.hot_pos[:n], self.hot_stamp[:n], self.hot_loc[:n], self.staging_loc[:n] = old[2:6]
-        for layer, keys in old[6].items():
-            self.index_keys[layer][:n, : keys.shape[1]] = keys
+        self.key_pages[:n, :, : old[6].shape[2]] = old[6]
         self.free_slots += list(range(n, slots))
         self.owner += [None] * (slots - n)
         for req in live:
@@ -143,7 +167,7 @@ class BatchState:
         req.hot_stamp = self.hot_stamp[slot]
         req.hot_loc = self.hot_loc[slot]
         req.staging_loc = self.staging_loc[slot]
-        req.index_keys = {layer: keys[slot, : req.footprint.capacity_rows] for layer, keys in self.index_keys.items()}
+        req.key_pages = self.key_pages[slot, :, : req.footprint.key_blocks]
 
     @staticmethod
     def detach(req: RequestKV) -> None:
@@ -151,5 +175,5 @@ class BatchState:
         req.page_table = req.page_table.clone()
         req.hot_pos, req.hot_stamp, req.hot_loc = req.hot_pos.clone(), req.hot_stamp.clone(), req.hot_loc.clone()
         req.staging_loc = req.staging_loc.clone()
-        req.index_keys = {}
+        req.key_pages = req.key_pages.clone()
         req.slot = -1

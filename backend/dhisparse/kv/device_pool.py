@@ -6,7 +6,29 @@ import heapq
 
 import torch
 
-from dhisparse.kv.config import KVConfig, KVLayout
+from dhisparse.kv.config import ConfigError, KVConfig, KVLayout
+
+
+def keys_per_page(layout: KVLayout, page_rows: int) -> int:
+    """Indexer keys (of one layer, in the layout's key format) that one arena page holds (0 without indexer)."""
+    if not layout.indexer_layers:
+        return 0
+    page_bytes = page_rows * layout.row_bytes
+    per_page = page_bytes // layout.index_key_bytes
+    if per_page < 1 or page_bytes % layout.key_storage_dtype.itemsize:
+        raise ConfigError(f"page_rows {page_rows}: an arena page ({page_bytes} bytes) must hold at least one "
+                          f"indexer key ({layout.index_key_bytes} bytes) in whole key elements; raise page_rows")
+    return per_page
+
+
+def key_view(arena: torch.Tensor, pages: int, page_bytes: int, layout: KVLayout, per_page: int) -> torch.Tensor:
+    """The first ``pages`` arena pages as ``[pages, per_page, key_storage_dim]`` keys (a view, no copy)."""
+    if per_page == 0:
+        return arena.new_zeros(0, 0, 0, dtype=layout.key_storage_dtype)
+    flat = arena.view(-1)[: pages * page_bytes // arena.element_size()]
+    elems = page_bytes // layout.key_storage_dtype.itemsize
+    keys = flat.view(layout.key_storage_dtype).view(pages, elems)
+    return keys[:, : per_page * layout.key_storage_dim].unflatten(1, (per_page, layout.key_storage_dim))
 
 
 class BudgetError(RuntimeError):
@@ -27,10 +49,14 @@ class DevicePool:
           :meth:`reserve_required` / :meth:`release_required` / :meth:`allocate` (optional) / :meth:`free`,
           each of which checks ``required + optional + reserve <= pool_bytes`` afterwards.
         - The arena itself is sized ``pool_bytes // page_bytes`` pages, an upper bound: the accounting also
-          counts metadata that lives outside it, so the pages in use never exceed it. One further row,
-          :attr:`scratch_row`, follows the pages: fixed-shape copy lists send the entries that copy nothing
-          there, and no location ever points at it; the last, :attr:`zero_row`, is always zero (a step gathers
-          unused selection entries from it, so a gather is one index with no mask).
+          counts metadata that lives outside it, so the pages in use never exceed it. Two things follow the
+          pages, outside the budget (one page and one row, counted in the engine's workspace bound): the
+          *zero page* :attr:`zero_page` (page id ``num_pages``), always zero — its first row is :attr:`zero_row`
+          (a step gathers unused selection entries from it, so a gather is one index with no mask) and it is the
+          key page of every key block a request does not own (``kv/index_keys.py``); then :attr:`scratch_row`:
+          fixed-shape copy lists send the entries that copy nothing there, and no location ever points at it.
+        - Indexer keys live in arena pages too (``kv/index_keys.py``): :attr:`keys` views every page, the zero
+          page included, as ``keys_per_page`` keys of the layout's key format.
     """
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device, poison_freed: bool = False):
@@ -39,9 +65,12 @@ class DevicePool:
         self.pool_bytes = config.pool_bytes
         self.reserve_bytes = config.reserve_bytes
         self.num_pages = config.pool_bytes // self.page_bytes
-        self.scratch_row = self.num_pages * config.page_rows
-        self.zero_row = self.scratch_row + 1
-        self.arena = torch.zeros(self.scratch_row + 2, layout.storage_dim, dtype=layout.storage_dtype, device=device)
+        self.zero_page = self.num_pages
+        self.zero_row = self.zero_page * config.page_rows
+        self.scratch_row = self.zero_row + config.page_rows
+        self.arena = torch.zeros(self.scratch_row + 1, layout.storage_dim, dtype=layout.storage_dtype, device=device)
+        self.keys_per_page = keys_per_page(layout, config.page_rows)
+        self.keys = key_view(self.arena, self.num_pages + 1, self.page_bytes, layout, self.keys_per_page)
         self.poison_freed = poison_freed
         self._free: list[int] = list(range(self.num_pages))
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
@@ -109,7 +138,7 @@ class DevicePool:
         if optional:
             self.optional_bytes -= ids.numel() * self.page_bytes
         if self.poison_freed:
-            pages_view = self.arena[: self.scratch_row].view(self.num_pages, self.page_rows, -1)
+            pages_view = self.arena[: self.zero_row].view(self.num_pages, self.page_rows, -1)
             pages_view[ids.to(self.arena.device)] = float("nan") if self.arena.is_floating_point() else 255
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dhisparse.kv.config import KVConfig, KVLayout
+from dhisparse.kv.device_pool import keys_per_page
 
 INDEX_BYTES = 8  # int64 page-table entries and LRU fields
 
@@ -36,7 +37,10 @@ class Footprint:
             the tail of a one-token step.
         metadata_bytes: page tables (int64 per page and source) and LRU state (position, stamp and
             location, int64 each, per hot slot and source), for a one-token step.
-        index_key_bytes: indexer keys of every indexer layer for a one-token step's capacity.
+        index_key_bytes: arena pages of the indexer keys of every indexer layer for a one-token step's capacity
+            (keys live in arena pages, ``keys_per_page`` positions of one layer per page; ``kv/index_keys.py``).
+        key_blocks: key pages per indexer layer for the whole capacity (``capacity_rows``, verification block
+            included); the request holds ``len(indexer_layers) * key_blocks`` key pages from admission on.
         ring_bytes: the draft ring buffer (``KVConfig.draft_ring_bytes``).
         staging_overflow_bytes: ``staging_pages * page_bytes``: rows of a verification step's union of
             selections that the hot cache cannot take.
@@ -55,6 +59,7 @@ class Footprint:
     pages_bytes: int
     metadata_bytes: int
     index_key_bytes: int
+    key_blocks: int = 0
     staging_pages: int = 0
     staging_slots: int = 0
     staging_rows: int = 0
@@ -126,7 +131,7 @@ def request_footprint(layout: KVLayout, config: KVConfig, prompt_len: int, max_n
         raise ValueError(f"prompt_len and max_new_tokens must be >= 1, got {prompt_len}, {max_new_tokens}")
     sources = layout.num_sources
     page_bytes = config.page_rows * layout.row_bytes
-    key_row_bytes = len(layout.indexer_layers) * layout.index_key_bytes
+    per_page = keys_per_page(layout, config.page_rows)
     capacity, num_pages, tail_pages = _pages(layout, config, prompt_len, max_new_tokens, config.max_query_len)
     capacity_1, num_pages_1, tail_pages_1 = _pages(layout, config, prompt_len, max_new_tokens, 1)
     hot_rows = config.hot_rows_for(layout)
@@ -137,9 +142,11 @@ def request_footprint(layout: KVLayout, config: KVConfig, prompt_len: int, max_n
     staging_pages = staging_slots * ceil_div(staging_rows, config.page_rows)
     if staging_pages and config.staging_share < 1.0:  # the planner's scaled simulation (see KVConfig)
         staging_pages = max(1, round(staging_pages * config.staging_share))
+    indexers = len(layout.indexer_layers)
+    key_blocks, key_blocks_1 = (ceil_div(c, per_page) if per_page else 0 for c in (capacity, capacity_1))
     block_bytes = (sources * (tail_pages - tail_pages_1) * page_bytes
                    + sources * (num_pages - num_pages_1) * INDEX_BYTES
-                   + (capacity - capacity_1) * key_row_bytes)
+                   + indexers * (key_blocks - key_blocks_1) * page_bytes)
     return Footprint(
         capacity_rows=capacity,
         num_pages=num_pages,
@@ -148,7 +155,8 @@ def request_footprint(layout: KVLayout, config: KVConfig, prompt_len: int, max_n
         page_bytes=page_bytes,
         pages_bytes=sources * (tail_pages_1 + hot_pages) * page_bytes,
         metadata_bytes=sources * num_pages_1 * INDEX_BYTES + lru_bytes,
-        index_key_bytes=capacity_1 * key_row_bytes,
+        index_key_bytes=indexers * key_blocks_1 * page_bytes,
+        key_blocks=key_blocks,
         staging_pages=staging_pages,
         staging_slots=staging_slots,
         staging_rows=staging_rows,

@@ -22,6 +22,7 @@ import torch
 from dhisparse.kv.config import KVLayout
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_VALID, HostStore
+from dhisparse.kv.index_keys import write_request_keys
 from dhisparse.kv.request_state import OPT_READY, RequestKV
 
 
@@ -81,9 +82,9 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
 
 
 def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], indexer_layers: frozenset[int],
-                   layout: KVLayout) -> None:
+                   layout: KVLayout, pool: DevicePool, layer_index: dict[int, int]) -> None:
     """Store the prompt's indexer keys ``{layer: [prompt_len, index_key_dim]}`` (every indexer layer) in the
-    layout's key format."""
+    request's key pages, in the layout's key format (``kv/index_keys.py``)."""
     if set(index_keys) != set(indexer_layers):
         raise ValueError(f"import: index_keys must cover layers {sorted(indexer_layers)}, got {sorted(index_keys)}")
     for layer, keys in index_keys.items():
@@ -91,5 +92,4 @@ def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], indexer_
             raise ValueError(f"import: index_keys[{layer}] must be [{req.prompt_len}, {layout.index_key_dim}], "
                              f"got {list(keys.shape)}")
     for layer, keys in index_keys.items():
-        target = req.index_keys[layer]
-        target[: req.prompt_len] = layout.encode_keys(keys.to(target.device))
+        write_request_keys(pool, layout, req, layer_index[layer], 0, keys)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID
+from dhisparse.kv.index_keys import request_keys
 from dhisparse.kv.request_state import (
     OPT_ABSENT,
     OPT_BACKING_UP,
@@ -49,7 +50,7 @@ def check_manager_invariants(m: KVManager) -> None:
     optional = sum(r.optional_pages_on_device() for r in alive) * pool.page_bytes
     if optional != pool.optional_bytes:
         _fail("optional accounting", f"pool says {pool.optional_bytes}, requests hold {optional}")
-    owned = [torch.cat([r.tail_ring.reshape(-1), r.hot_pages.reshape(-1), r.staging_pages,
+    owned = [torch.cat([r.tail_ring.reshape(-1), r.hot_pages.reshape(-1), r.staging_pages, r.key_page_ids,
                         r.opt_page[r.opt_page >= 0]])
              for r in alive]
     owned_pages = torch.cat(owned) if owned else torch.zeros(0, dtype=torch.int64)
@@ -90,21 +91,27 @@ def _check_slots(m: KVManager) -> None:
         if batch.owner[slot] != req.request_id:
             _fail("batch slots", f"{req.request_id}: slot {slot} belongs to {batch.owner[slot]!r}")
         views = [(req.page_table, batch.page_table), (req.hot_pos, batch.hot_pos),
-                 (req.hot_stamp, batch.hot_stamp), (req.hot_loc, batch.hot_loc)]
-        views += [(req.index_keys[layer], keys) for layer, keys in batch.index_keys.items()]
+                 (req.hot_stamp, batch.hot_stamp), (req.hot_loc, batch.hot_loc), (req.key_pages, batch.key_pages)]
         if any(view.data_ptr() != full[slot].data_ptr() for view, full in views):
             _fail("batch slots", f"{req.request_id}: its state is not a view of slot {slot}")
-        if m.step is None:
-            for keys in req.index_keys.values():
-                if bool(keys[req.length:].any()):
-                    _fail("batch slots", f"{req.request_id}: indexer keys past the length are not zero")
+        blocks = req.footprint.key_blocks
+        want = req.key_page_ids.view(-1, blocks) if blocks else req.key_page_ids.view(len(batch.layer_index), 0)
+        if not torch.equal(batch.key_pages[slot, :, :blocks].cpu(), want) or \
+                bool((batch.key_pages[slot, :, blocks:] != batch.zero_page).any()):
+            _fail("batch slots", f"{req.request_id}: key-page table of slot {slot} is not its key pages")
+        if m.step is None and blocks:
+            keys = request_keys(m.pool, req.key_pages, blocks * m.pool.keys_per_page)
+            if bool(keys[:, req.length:].any()):
+                _fail("index keys", f"{req.request_id}: indexer keys past the length are not zero")
     free = batch.free_slots
     if free:
         empty = [bool((batch.page_table[free] < 0).all()), bool((batch.hot_pos[free] < 0).all()),
-                 bool((batch.host_pages[free] < 0).all()),
-                 *(not bool(keys[free].any()) for keys in batch.index_keys.values())]
+                 bool((batch.host_pages[free] < 0).all()), bool((batch.key_pages[free] == batch.zero_page).all())]
         if not all(empty):
             _fail("batch slots", f"a free slot of {sorted(free)} is not empty")
+    zero = m.pool.arena[m.pool.zero_row: m.pool.scratch_row]
+    if bool(zero.any()):
+        _fail("zero page", "the pool's zero page (zero row, unowned key blocks) is not zero")
 
 
 def _check_request(m: KVManager, req: RequestKV) -> None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dhisparse.kv import history_import as history_host
+from dhisparse.kv import index_keys as key_store
 from dhisparse.kv import residency
 from dhisparse.kv.batch_state import BatchState
 from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
@@ -84,7 +85,8 @@ class KVManager:
         self._steps = 0
         self._refill_cursor = 0
         self.step: StepKV | None = None
-        self.batch = BatchState(layout, config, self.device)  # persistent per-slot state (kv/batch_state.py)
+        # persistent per-slot state (kv/batch_state.py); its key-page tables point at the pool's zero page when empty
+        self.batch = BatchState(layout, config, self.device, self.pool.zero_page)
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
@@ -195,6 +197,9 @@ class KVManager:
         hot_rows = cfg.hot_rows_for(layout)
         hot_loc = self.pool.page_rows_of(hot_pages.reshape(-1)).view(sources, -1)[:, :hot_rows].contiguous()
         staging_pages = self.pool.allocate(fp.staging_pages)
+        indexers = len(layout.indexer_layers)
+        key_pages = self.pool.allocate(indexers * fp.key_blocks)  # the keys' pages (kv/index_keys.py), zeroed
+        key_store.zero_pages(self.pool, key_pages)
         staging_loc = fp.staging_locations(cfg.page_rows, staging_pages.to(dev))
         host_pages = None
         if self.policy.uses_host:
@@ -214,13 +219,14 @@ class KVManager:
             opt_state=torch.zeros((sources, prompt_pages), dtype=torch.int8),
             opt_page=torch.full((sources, prompt_pages), -1, dtype=torch.int64),
             opt_retire_epoch=torch.zeros((sources, prompt_pages), dtype=torch.int64),
-            index_keys={},
+            key_pages=self.batch.key_pages[slot, :, : fp.key_blocks], key_page_ids=key_pages,
             ring_free_epoch=torch.zeros(fp.tail_pages, dtype=torch.int64),
             staging_pages=staging_pages,
         )
         self.batch.bind(req)  # the state tensors are views of the slot (free slots are empty)
         self.batch.hot_loc[slot] = hot_loc.to(dev)
         self.batch.staging_loc[slot] = staging_loc
+        self.batch.key_pages[slot, :, : fp.key_blocks] = key_pages.view(indexers, fp.key_blocks).to(dev)
         if host_pages is not None:
             self.batch.host_pages[slot, :, : fp.num_pages] = host_pages.to(dev)
         self._admissions += 1
@@ -251,7 +257,8 @@ class KVManager:
             if tuple(keys.shape) != (req.prompt_len, self.layout.index_key_dim):
                 raise ValueError(f"import_prompt: index_keys[{layer}] must be [{req.prompt_len}, "
                                  f"{self.layout.index_key_dim}], got {list(keys.shape)}")
-            req.index_keys[layer][: req.prompt_len] = self.layout.encode_keys(keys.to(self.device))
+        for layer, keys in index_keys.items():
+            key_store.write_request_keys(self.pool, self.layout, req, self.batch.layer_index[layer], 0, keys)
         rows = self.layout.encode(rows)
         residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
         req.imported = True
@@ -265,17 +272,27 @@ class KVManager:
         req = self._running(request_id)
         return history_host.history_host_rows(req, self.host) if self.config.uses_host else None
 
-    def import_host_history(self, request_id: str, index_keys: dict[int, torch.Tensor]) -> None:
+    def import_host_history(self, request_id: str, index_keys: dict[int, torch.Tensor] | None) -> None:
         """Import a prompt whose rows were written into :meth:`history_host_rows` (imported history): host
         pages become valid, the partial page goes to the tail and, adaptive, complete pages stay on device as
-        optional pages while the budget allows (``kv/history_import.py``)."""
+        optional pages while the budget allows (``kv/history_import.py``). ``index_keys=None``: the prompt's keys
+        were written in place through :meth:`request_keys` (the streamed prefill)."""
         req = self._running(request_id)
         if req.imported:
             raise ValueError(f"request {request_id!r} was already imported")
-        history_host.set_index_keys(req, index_keys, self.indexer_layers, self.layout)
+        if index_keys is not None:
+            history_host.set_index_keys(req, index_keys, self.indexer_layers, self.layout, self.pool,
+                                        self.batch.layer_index)
         history_host.import_host_rows(req, self.config.policy, self.pool, self.host)
         req.imported = True
         self.check_budget()
+
+    def request_keys(self, request_id: str) -> key_store.RequestKeys | None:
+        """The admitted request's indexer keys to write in place before its import (native key format; ``None``
+        otherwise: hand the keys to the import instead)."""
+        if self.layout.index_key_format != "native" or not self.indexer_layers:
+            return None
+        return key_store.RequestKeys(self.pool, self.layout, self._running(request_id), self.batch.layer_index)
 
     # ---------------------------------------------------------------------------------------- steps
     def begin_step(self, request_ids: list[str], query_len: int) -> StepKV:
@@ -333,8 +350,7 @@ class KVManager:
             start = req.length
             req.length = start + keep
             if keep < q:  # rejected rows: their keys and tail pages go (the hot cache is the slot's, in place)
-                for keys in req.index_keys.values():
-                    keys[start + keep : start + q] = 0
+                key_store.zero_request_keys(self.pool, req, start + keep, start + q)
                 unmap_rejected(req, start + q, self.config.page_rows)
             direct, hot, host, staged = (float(v) for v in counts[b])
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
@@ -369,8 +385,7 @@ class KVManager:
             pass  # the failed copy has left the queue; the slots it targeted are emptied below
         for req in step.requests:
             start = req.length
-            for keys in req.index_keys.values():
-                keys[start : start + step.query_len] = 0
+            key_store.zero_request_keys(self.pool, req, start, start + step.query_len)
             unmap_rejected(req, start + step.query_len, self.config.page_rows)
         step.restore_hot_state()  # slots this step refilled are emptied, the others keep their old state
         step.reset_checks()  # the rolled-back step's device flags and counts are never reported
@@ -449,7 +464,8 @@ class KVManager:
         residency.free_retired_pages(req, self.pool, self.fence)
         on_device = req.opt_page[req.opt_page >= 0]
         self.pool.free(on_device, optional=True)
-        self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1), req.staging_pages]))
+        self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1), req.staging_pages,
+                                  req.key_page_ids]))
         if req.host_pages is not None:
             self.host.free(req.host_pages)
         self.pool.release_required(req.footprint.required_bytes)

@@ -1,4 +1,4 @@
-"""Per-request KV state: page table, host pages, tail ring, hot caches, optional pages, indexer keys.
+"""Per-request KV state: page table, host pages, tail ring, hot caches, optional pages, indexer-key pages.
 
 Positions of a request are split into pages of ``page_rows``. For every source ``s`` and page ``i``:
 
@@ -14,6 +14,8 @@ Positions of a request are split into pages of ``page_rows``. For every source `
   ``staging_loc[j]`` are the arena rows of staging slot ``j``; a verification step copies the rows of its
   union of selections that the hot cache cannot take into the slot of their source's position in its index
   group. They are valid for that step only (never looked up again) and are reused by the next group.
+- **Indexer keys** live in arena pages the request holds from admission to release (``key_page_ids``), one run of
+  ``key_blocks`` pages per indexer layer (``key_pages[i, j]``, a view of the batch state; ``kv/index_keys.py``).
 - **Optional pages** (adaptive only) are complete pages of the imported prompt, ``i < prompt_pages``,
   with the state machine ``OPT_*`` below (``opt_state[s, i]``, ``opt_page[s, i]``).
 """
@@ -56,7 +58,8 @@ class RequestKV:
     opt_state: torch.Tensor  # [S, prompt_pages] int8, CPU
     opt_page: torch.Tensor  # [S, prompt_pages] int64 arena page or -1, CPU
     opt_retire_epoch: torch.Tensor  # [S, prompt_pages] int64, CPU
-    index_keys: dict[int, torch.Tensor]  # layer -> [capacity_rows, index_key_dim], device (slot views)
+    key_pages: torch.Tensor  # [indexer layers, key_blocks] int64 arena pages of the keys, device (slot view)
+    key_page_ids: torch.Tensor  # the same pages, CPU (owned, freed at release)
     length: int = 0  # accepted rows (prompt + kept decode rows)
     imported: bool = False
     tail_first: int = 0  # first page index still in the tail

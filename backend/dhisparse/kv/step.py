@@ -127,7 +127,12 @@ class StepKV(StepResolution):
         new_pos = self.starts.unsqueeze(1) + torch.arange(query_len, device=device)  # [B, Q]
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
-        self._key_index = (torch.arange(len(requests), device=device).unsqueeze(1), new_pos)  # [B, Q] of the keys
+        # Indexer keys live in arena pages (kv/index_keys.py): the step's key-page tables [B, L, KB] (a view or one
+        # gather; they change only at admission and release) and, for writes, the page and offset of each new key.
+        self._key_pages = batch_state.key_pages[rows]
+        per_page = max(1, pool.keys_per_page)
+        self._key_write = (self._key_pages.gather(2, (new_pos // per_page).unsqueeze(1).expand(
+            -1, self._key_pages.shape[1], -1)), new_pos % per_page)  # pages [B, L, Q], offsets [B, Q]
         # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer.
         nreq = len(requests)
         self._report = torch.zeros(4 * nreq + len(_FLAG_MESSAGES), dtype=torch.int64, device=device)
@@ -164,12 +169,9 @@ class StepKV(StepResolution):
             if index_keys is None or tuple(index_keys.shape) != (batch, q, m.layout.index_key_dim):
                 raise ValueError(f"write(layer {layer}): index_keys [{batch}, {q}, {m.layout.index_key_dim}] "
                                  "are required for a layer with an indexer")
-            # One indexed write into the batch state's keys of the step's slots.
-            keys = self._batch.index_keys[layer]
-            if self._scatter is None:
-                keys[self._rows].index_put_(self._key_index, m.layout.encode_keys(index_keys))
-            else:
-                keys.index_put_((self._scatter.unsqueeze(1), self._key_index[1]), m.layout.encode_keys(index_keys))
+            # One indexed write into the requests' key pages in the arena.
+            pages, within = self._key_write
+            m.pool.keys.index_put_((pages[:, self._batch.layer_index[layer]], within), m.layout.encode_keys(index_keys))
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
@@ -181,13 +183,16 @@ class StepKV(StepResolution):
         if layer not in m.indexer_layers:
             raise ValueError(f"layer {layer} has no indexer")
         stop = self.max_length if stop is None else stop
-        # The slots' keys are zero past each request's length (batch-state invariant): a view of the batch state
-        # (consecutive slots) or one gather, no per-request work.
-        keys = self._batch.index_keys[layer]
-        if stop > keys.shape[1]:
+        # Keys are zero past each request's length (zero page past its blocks): one gather of the key pages covering
+        # start .. stop-1, no per-request work.
+        per_page = m.pool.keys_per_page
+        first, blocks = start // per_page, -(-stop // per_page)
+        if blocks > self._key_pages.shape[2]:
             raise ValueError(f"index_keys(layer {layer}): stop {stop} is past the batch state's "
-                             f"{keys.shape[1]} positions per slot")
-        return m.layout.decode_keys(keys[self._rows, start:stop])
+                             f"{self._key_pages.shape[2] * per_page} positions per slot")
+        pages = self._key_pages[:, self._batch.layer_index[layer], first:blocks]  # [B, n]
+        keys = m.pool.keys[pages].flatten(1, 2)  # [B, n * per_page, D]
+        return m.layout.decode_keys(keys[:, start - first * per_page : stop - first * per_page])
 
     # ------------------------------------------------------------------------------------------ gather
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:

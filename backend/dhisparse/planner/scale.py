@@ -19,6 +19,7 @@ bytes at 32K/8K on DeepSeek-V3.2 with ``g = 64``, +1.2% with ``g = 16``), and th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -101,12 +102,22 @@ def build_scaled_kv(model: ModelSpec, scale: ScaleSpec, policy: str, pool_bytes:
     source_factor = model.num_layers / sim_layers
     byte_factor = source_factor * g
     sim_indexers = -(-sim_layers // model.index_group_size)
-    # key bytes must scale by F: n_r * C_r * kb_r = F * n_s * (C_r / g) * kb_s
-    key_bytes = model.index_key_bytes * model.num_indexers / (sim_indexers * source_factor)
     real_layout = _layout(model.num_layers, model.index_group_size, model.row_bytes, model.index_key_bytes // 4,
                           model.index_topk)
-    layout = _layout(sim_layers, model.index_group_size, model.row_bytes, max(1, round(key_bytes / 4)),
-                     model.index_topk // g)
+    # Keys live in arena pages (kv/index_keys.py), so what scales is their pages: the real GPU holds n_r pages of
+    # kpp_r keys per kpp_r positions, the simulation n_s pages of kpp_s keys per kpp_s simulated positions (g real
+    # ones each, F real bytes per byte of its g-times smaller pages); equal key bytes per real position give
+    # kpp_s = n_s * source_factor * kpp_r / (g * n_r). The simulated key width is chosen for that count (a width
+    # scaled by bytes alone could lose a key per page to the floor: up to 20 % at g = 64); the simulation's keys
+    # carry no payload, only their pages count.
+    real_page = page_rows * model.row_bytes
+    real_per_page = real_page // model.index_key_bytes
+    sim_page = (page_rows // g) * model.row_bytes
+    target = sim_indexers * source_factor * real_per_page / (g * model.num_indexers)
+    width = sim_page / (4 * target)  # in float32 values: the whole width nearby whose page count is nearest
+    widths = range(max(1, math.floor(width) - 2), math.ceil(width) + 3)
+    key_dim = min(widths, key=lambda w: (abs(sim_page // (4 * w) - target), abs(w - width)))
+    layout = _layout(sim_layers, model.index_group_size, model.row_bytes, key_dim, model.index_topk // g)
     real_config = KVConfig(policy=policy, pool_bytes=int(pool_bytes), hot_rows=hot_rows, page_rows=page_rows,
                            reserve_bytes=int(reserve_bytes), refill_pages_per_step=refill_pages_per_step,
                            max_query_len=max_query_len, draft_ring_bytes=int(draft_ring_bytes))
