@@ -145,8 +145,10 @@ def map_chunks(chunks: list[torch.Tensor], chunk_rows: int, device: torch.device
     with torch.cuda.device(device):
         if any(host_device_pointer(s)[0] != s for s in starts):
             return None  # no single device address range mirrors the chunks (see module docstring)
-        raw = torch.as_tensor(_CudaBytes(low, high - low, owners))  # device from the pointer's attributes
-    if raw.device != device or raw.data_ptr() != low:
+        # ``device`` named explicitly: torch then builds the tensor there, or (older torch) the pointer's device,
+        # which is the same one for a single-device engine. A copy instead of an alias is refused below.
+        raw = torch.as_tensor(_CudaBytes(low, high - low, owners), device=device)
+    if raw.data_ptr() != low:
         return None
     span = raw.view(dtype).view(-1, row_dim)
     return MappedRows(span, first_row.to(device), chunk_rows, allocated, owners)
