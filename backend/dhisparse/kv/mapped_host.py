@@ -54,6 +54,8 @@ class MappedRows:
         the device itself no host read). Indices outside the allocated rows read a row of the store, never
         memory outside it."""
         index = index.to(self.span.device, torch.int64).clamp(0, self.allocated_rows - 1)
+        if self.allocated_rows <= self.chunk_rows:  # one chunk: the span is that chunk
+            return self.span.index_select(0, index)
         chunk = index // self.chunk_rows
         return self.span.index_select(0, self.first_row[chunk] + (index - chunk * self.chunk_rows))
 
