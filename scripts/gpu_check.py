@@ -13,7 +13,13 @@
    are identical, tests/kv). Host synchronisations per step are counted with
    ``torch.cuda.set_sync_debug_mode`` (it sees tensor reads such as ``.item()`` / ``.cpu()`` / ``nonzero``,
    not ``Event.synchronize``).
-5. Writes ``gpu_check.json`` and ``gpu_check.md`` (``--out``, default ``docs/results/gpu_check``).
+5. The host store mapped into the device (``kv/mapped_host.py``): a pinned store of several chunks is gathered
+   through its device view with a device-side index and compared with the CPU rows; a fetch through the copy
+   engine is checked for zero host reads (``HostSync`` and torch's sync debug mode); the mapped gather is timed.
+   The demo model then runs on the torch path (``kernels="torch"``, where every host fetch takes the mapped
+   gather) for ``hisparse`` and ``adaptive`` with a small pool, tokens compared with the CPU run, and the KV
+   side's counted host reads per decode step (``kv_host_syncs``) reported beside torch's count.
+6. Writes ``gpu_check.json`` and ``gpu_check.md`` (``--out``, default ``docs/results/gpu_check``).
 
 Without a GPU it prints "nothing was run: no GPU" and exits 0. Every part records its own failure and the
 script goes on, so one run reports everything; the exit status is 1 if anything failed.
@@ -133,6 +139,96 @@ def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[d
     return rows
 
 
+# --------------------------------------------------------------------------------------------- mapped host store
+def check_mapped_host(dev: torch.device) -> dict[str, Any]:
+    """The host store's device view against the CPU rows, a fetch with no host read, and the gather's time."""
+    from dhisparse.kv.copies import CopyEngine
+    from dhisparse.kv.host_store import ChunkedRows
+    from dhisparse.kv.host_sync import HostSync
+    from dhisparse.kv.mapped_host import host_device_pointer
+
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(7)
+    bad = []
+    for dtype, row_dim in ((torch.bfloat16, 576), (torch.uint8, 656)):  # bf16 rows; FP8 rows (656 bytes)
+        chunk_rows, rows = 1000, 4500  # five chunks, the last one short
+        store = ChunkedRows(rows, chunk_rows, row_dim, dtype, pinned=True)
+        store.ensure(rows)
+        dense = torch.randint(0, 256, (rows, row_dim), generator=g).to(dtype)
+        store.index_copy_(0, torch.arange(rows), dense)
+        view = store.mapped(dev)
+        if view is None:
+            bad.append(f"{dtype}: no device view (a chunk's device pointer differs from its host pointer)")
+            continue
+        out["device_pointer_from"] = host_device_pointer(store.chunks[0].data_ptr())[1]
+        edges = torch.tensor([r for k in range(1, 5) for r in (k * chunk_rows - 1, k * chunk_rows)])
+        index = torch.cat([edges, torch.randint(0, rows, (5000,), generator=g)])
+        if not torch.equal(view.gather(index.to(dev)).cpu(), dense[index]):
+            bad.append(f"{dtype}: mapped gather differs from the CPU rows")
+        sync = HostSync()
+        copies = CopyEngine(dev, sync)
+        arena = torch.zeros(index.numel(), row_dim, dtype=dtype, device=dev)
+        src, dst = index.to(dev), torch.randperm(index.numel(), generator=g).to(dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ticket = copies.issue("fetch", arena, dst, store, src)
+            torch_syncs = sum("synchroniz" in str(w.message) for w in caught)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        copies.wait(ticket)
+        if not torch.equal(arena[dst].cpu(), dense[index]):
+            bad.append(f"{dtype}: fetch through the copy engine differs")
+        if sync.reads or torch_syncs or copies.mapped_copies != 1:
+            bad.append(f"{dtype}: fetch read the host (HostSync {sync.reads}, torch {torch_syncs}, "
+                       f"mapped copies {copies.mapped_copies})")
+        if dtype == torch.uint8:
+            timings = []
+            for n in (100, 800, 6400):
+                idx = torch.randint(0, rows, (n,), generator=g).to(dev)
+                ms = median_ms(lambda idx=idx, view=view: view.gather(idx))
+                timings.append({"rows": n, "us": ms * 1e3, "gb_s": n * row_dim / ms / 1e6})
+            out["mapped_gather_656B"] = timings
+    out["mapped_failures"] = "; ".join(bad) or None
+    return out
+
+
+def count_decode_reads(engine_dir: Path, prompts: list[list[int]], policy: str, pool_bytes: int, device: str = "cuda"
+                       ) -> dict[str, Any]:
+    """Host reads per decode step on the torch path (every host fetch from the mapped store), as
+    tests/engine/test_host_syncs.py counts them on CPU: the KV side's ``HostSync`` count and torch's sync debug
+    count of each step after the first (the first step admits and prefills)."""
+    from dhisparse import LLM, SamplingParams
+
+    llm = LLM(engine_dir, device=device, kernels="torch", kv_policy=policy, pool_bytes=pool_bytes)
+    cuda = device == "cuda"
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.step()
+    counted, torch_counted = [], []
+    while engine.has_unfinished():
+        before = engine.kv.sync.reads
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+        counted.append(engine.kv.sync.reads - before)
+        torch_counted.append(sum("synchroniz" in str(w.message) for w in caught))
+    stats = llm.stats()
+    return {"policy": policy, "batch": len(prompts), "kv_reads_per_step": sorted(set(counted)),
+            "torch_syncs_per_step": sorted(set(torch_counted)), "rows_host": stats.get("kv_rows_host"),
+            "mapped_copies": engine.kv.copies.mapped_copies}
+
+
 # --------------------------------------------------------------------------------------------- engine
 def run_engine(engine_dir: Path, prompts: list[list[int]], max_tokens: int, count_syncs: bool, **options: Any
                ) -> dict[str, Any]:
@@ -158,11 +254,12 @@ def run_engine(engine_dir: Path, prompts: list[list[int]], max_tokens: int, coun
     steps = stats.get("decode_steps", 0.0) + stats.get("verify_steps", 0.0)
     return {"tokens": [o.token_ids for o in outs], "seconds": time.perf_counter() - start,
             "kernels": "cuda" if stats.get("kv_kernels_cuda") else "torch", "steps": steps,
-            "syncs_per_step": syncs / steps if steps else None, "rows_host": stats.get("kv_rows_host")}
+            "syncs_per_step": syncs / steps if steps else None, "rows_host": stats.get("kv_rows_host"),
+            "kv_reads_per_step": stats.get("kv_host_syncs", 0.0) / steps if steps else None}
 
 
 def compare_runs(name: str, engine_dir: Path, prompts: list[list[int]], max_tokens: int,
-                 configs: list[dict[str, Any]], deadline: float) -> list[dict[str, Any]]:
+                 configs: list[dict[str, Any]], deadline: float, gpu_kernels: str = "cuda") -> list[dict[str, Any]]:
     rows = []
     cpu_runs: dict[object, dict[str, Any]] = {}  # CPU tokens are the same under every policy (tests/kv)
     for cfg in configs:
@@ -176,12 +273,13 @@ def compare_runs(name: str, engine_dir: Path, prompts: list[list[int]], max_toke
                 cpu_runs[key] = run_engine(engine_dir, prompts, max_tokens, False, device="cpu", kernels="torch",
                                            **cfg)
             cpu = cpu_runs[key]
-            gpu = run_engine(engine_dir, prompts, max_tokens, True, device="cuda", kernels="cuda", **cfg)
+            gpu = run_engine(engine_dir, prompts, max_tokens, True, device="cuda", kernels=gpu_kernels, **cfg)
             same = cpu["tokens"] == gpu["tokens"]
             first = next((i for i, (a, b) in enumerate(zip(cpu["tokens"], gpu["tokens"], strict=True)) if a != b), None)
             rows.append({"model": name, **label, "status": "identical" if same else f"DIFFERENT (request {first})",
                          "gpu_kernels": gpu["kernels"], "gpu_s": gpu["seconds"], "cpu_s": cpu["seconds"],
-                         "syncs_per_step": gpu["syncs_per_step"], "rows_host": gpu["rows_host"]})
+                         "syncs_per_step": gpu["syncs_per_step"], "rows_host": gpu["rows_host"],
+                         "kv_reads_per_step": gpu["kv_reads_per_step"]})
         except Exception as exc:
             rows.append({"model": name, **label, "status": f"ERROR {type(exc).__name__}: {exc}",
                          "trace": traceback.format_exc(limit=6)})
@@ -237,15 +335,28 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> None:
     for r in report.get("bench", []):
         lines.append(f"| {r['batch']} | {r['copy_blocks']} | {r['copy_us']:.1f} | {r['copy_gb_s']:.2f} | "
                      f"{r['resolver_us']:.1f} | {r['attention_bf16_us']:.1f} |")
-    lines += ["", "## Engine end to end: GPU (kernels=cuda) tokens vs the CPU run", "",
-              "| model | policy | speculative | tokens | GPU kernels | host syncs / step | host rows | GPU s | CPU s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    mapped = report.get("mapped_host", {})
+    lines += ["", "## Host store mapped into the device (`kv/mapped_host.py`)", "",
+              "- mapped gather and fetch vs the CPU rows, host reads: "
+              f"{mapped.get('mapped_failures') or 'all equal, none'}",
+              f"- device pointer from: {mapped.get('device_pointer_from', '–')}"]
+    for t in mapped.get("mapped_gather_656B", []):
+        lines.append(f"- gather of {t['rows']} rows of 656 bytes from host: {t['us']:.1f} µs ({t['gb_s']:.2f} GB/s)")
+    for r in report.get("decode_reads", []):
+        lines.append(f"- decode steps, {r['policy']} batch {r['batch']} (torch path): KV host reads per step "
+                     f"{r['kv_reads_per_step']}, torch syncs per step {r['torch_syncs_per_step']}, host rows "
+                     f"{r['rows_host']}, mapped copies {r['mapped_copies']}")
+    lines += ["", "## Engine end to end: GPU tokens vs the CPU run", "",
+              "| model | policy | speculative | tokens | GPU kernels | host syncs / step (torch) "
+              "| KV host reads / step (all ÷ steps) | host rows | GPU s | CPU s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     def f(r: dict[str, Any], key: str, fmt: str = "{:.2f}") -> str:
         return fmt.format(r[key]) if r.get(key) is not None else "–"
 
     for r in report.get("engine", []):
         lines.append(f"| {r['model']} | {r.get('kv_policy')} | {r.get('speculative') or '–'} | {r['status']} | "
-                     f"{r.get('gpu_kernels', '–')} | {f(r, 'syncs_per_step')} | {f(r, 'rows_host', '{:.0f}')} | "
+                     f"{r.get('gpu_kernels', '–')} | {f(r, 'syncs_per_step')} | {f(r, 'kv_reads_per_step')} | "
+                     f"{f(r, 'rows_host', '{:.0f}')} | "
                      f"{f(r, 'gpu_s')} | {f(r, 'cpu_s')} |")
     (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
@@ -287,6 +398,14 @@ def main() -> int:
     for key in ("self_check_failures", "resolver_int32_failures", "sparse_mla_fp8_failures"):
         if report.get("kernels", {}).get(key):
             report["failures"].append(f"{key}: {report['kernels'][key]}")
+    try:
+        report["mapped_host"] = check_mapped_host(dev)
+        print(f"mapped_host: {json.dumps(report['mapped_host'], default=str)[:2000]}", flush=True)
+        if report["mapped_host"]["mapped_failures"]:
+            report["failures"].append(f"mapped_host: {report['mapped_host']['mapped_failures']}")
+    except Exception as exc:
+        report["failures"].append(f"mapped_host: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
 
     report["engine"] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,6 +417,17 @@ def main() -> int:
             configs = [{"kv_policy": p, "speculative": s, "pool_bytes": 8_000_000}
                        for p in ("resident", "hisparse", "adaptive") for s in (None, "dflash2", "dspark")]
             report["engine"] += compare_runs("demo", demo, prompts, 24, configs, deadline)
+            # The torch path: every host fetch gathers from the mapped host store.
+            mapped = [{"kv_policy": p, "speculative": None, "pool_bytes": 2_000_000}
+                      for p in ("hisparse", "adaptive")]
+            report["engine"] += compare_runs("demo (torch, mapped host)", demo, prompts, 24, mapped, deadline,
+                                             gpu_kernels="torch")
+            # A 2 MB pool admits all four prompts and leaves adaptive short of device pages (it fetches too).
+            report["decode_reads"] = [count_decode_reads(demo, prompts[:n], p, 2_000_000)
+                                      for p, n in (("hisparse", 1), ("hisparse", 4), ("adaptive", 4))]
+            print(f"decode_reads: {report['decode_reads']}", flush=True)
+            report["failures"] += [f"decode reads {r}" for r in report["decode_reads"]
+                                   if r["kv_reads_per_step"] != [1] or not r["mapped_copies"]]
             if not args.quick:
                 stack = build_glm5_stack(work)
                 g = torch.Generator().manual_seed(6)

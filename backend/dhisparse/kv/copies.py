@@ -10,8 +10,14 @@ where the manager marks a host page valid, maps a refilled page, or retires a ba
   to the awaited one, like a stream). Reading a destination before its copy is done therefore returns
   stale data, so a missing wait shows up as wrong rows in tests rather than going unnoticed.
 - **CUDA**: copies run on a dedicated copy stream ordered after the work already issued on the current
-  stream; a CUDA event marks completion. Host→device copies gather the rows into pinned staging first;
-  device→host copies land in pinned staging and are scattered into the host store when done.
+  stream; a CUDA event marks completion. Device→host copies land in pinned staging and are scattered into the
+  host store when done.
+- **Copies out of the host store** (``src`` a :class:`~dhisparse.kv.host_store.ChunkedRows` with a view on the
+  destination's device, :meth:`ChunkedRows.mapped`) are one gather from that view with the index where it was
+  made — on CUDA the pinned store mapped into the device's address space, read directly by the gather on the
+  copy stream, so a copy list made on the device is never read by the host; on CPU the same gather over the
+  store's own chunks. Without such a view (a CUDA store that cannot be mapped) the rows are gathered on the host
+  into pinned staging, and a copy list made on the device is read first (one counted :class:`HostSync` read).
 
 :class:`ReaderFence` counts *reader epochs* (one per decode/verification step). A page retired at epoch
 ``e`` (``fence.issued`` at the decision) may be freed once ``fence.completed >= e``: every reader issued
@@ -26,7 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dhisparse.kv.host_store import ChunkedRows
 from dhisparse.kv.host_sync import HostSync
+from dhisparse.kv.mapped_host import MappedRows
 
 
 @dataclass
@@ -73,6 +81,7 @@ class CopyEngine:
         self._next_id = 0
         self.rows_copied: dict[str, int] = {}
         self.copies_failed = 0
+        self.mapped_copies = 0  # copies out of the host store that gathered from its mapped view
 
     @property
     def num_pending(self) -> int:
@@ -96,10 +105,16 @@ class CopyEngine:
         """
         ticket = CopyTicket(self._next_id, kind, int(dst_rows.numel()), on_done)
         self._next_id += 1
+        mapped = _mapped_view(src, dst)
+        if mapped is not None:
+            self._issue_mapped(ticket, dst, _to_device(dst_rows, dst.device), mapped,
+                               _to_device(src_rows, mapped.device))
+            self._pending.append(ticket)
+            return ticket
         dst_rows = dst_rows.to(dst.device)
         if src.device.type == "cpu" and src_rows.device.type != "cpu":
-            # A copy list produced on the device read by the host: a synchronisation, counted. (The torch path
-            # on CUDA does this for host fetches; a device-side gather from mapped host memory would not.)
+            # A copy list produced on the device read by the host: a synchronisation, counted (only when the
+            # host store has no view on the device, see the module docstring).
             src_rows = torch.tensor(self.sync.read(src_rows)[0], dtype=torch.int64) if self.sync else src_rows.cpu()
         src_rows = src_rows.to(src.device)
         if not self.is_cuda:
@@ -108,6 +123,24 @@ class CopyEngine:
             self._issue_cuda(ticket, dst, dst_rows, src, src_rows)
         self._pending.append(ticket)
         return ticket
+
+    def _issue_mapped(self, ticket: CopyTicket, dst: torch.Tensor, dst_rows: torch.Tensor, mapped: MappedRows,
+                      src_rows: torch.Tensor) -> None:
+        """``dst[dst_rows] = mapped.gather(src_rows)``: deferred on CPU, on the copy stream on CUDA."""
+        self.mapped_copies += 1
+        if not self.is_cuda:
+            ticket._run = lambda: dst.index_copy_(0, dst_rows, mapped.gather(src_rows))
+            return
+        stream = self._stream
+        assert stream is not None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._record_on_copy_stream(dst, dst_rows, src_rows, mapped.first_row)
+        with torch.cuda.stream(stream):
+            rows = mapped.gather(src_rows)  # the gather kernel reads the pinned host rows directly
+            dst.index_copy_(0, dst_rows, rows)
+            event = torch.cuda.Event()
+            event.record(stream)
+        ticket._event = (event, (rows, mapped, src_rows, dst, dst_rows))
 
     def _issue_cuda(
         self, ticket: CopyTicket, dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
@@ -256,6 +289,23 @@ class CopyEngine:
     def wait_all(self) -> None:
         while self._pending:
             self._complete(self._pending.popleft())
+
+
+def _to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``index`` on ``device``; a host index bound for CUDA goes through pinned memory, so the copy does not wait
+    for the device's queued work."""
+    if index.device == device:
+        return index
+    if index.device.type == "cpu" and device.type == "cuda":
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def _mapped_view(src: torch.Tensor | ChunkedRows, dst: torch.Tensor | ChunkedRows) -> MappedRows | None:
+    """The host store's view on the destination's device when ``src`` is the host store and ``dst`` is not."""
+    if not isinstance(src, ChunkedRows) or isinstance(dst, ChunkedRows):
+        return None
+    return src.mapped(dst.device)
 
 
 class ReaderFence:

@@ -8,6 +8,7 @@ import os
 import torch
 
 from dhisparse.kv.config import KVLayout
+from dhisparse.kv.mapped_host import MappedRows, map_chunks
 
 HOST_EMPTY = 0  # no copy of the page on host yet
 HOST_PENDING = 1  # a copy into the page is issued, not done
@@ -39,6 +40,8 @@ class ChunkedRows:
         self.dtype, self.pinned = dtype, pinned
         self.device = torch.device("cpu")
         self.chunks: list[torch.Tensor] = []
+        self._allocations: list[torch.Tensor] = []  # each chunk's memory, one spare row included
+        self._mapped: dict[torch.device, MappedRows | None] = {}
 
     @property
     def allocated_rows(self) -> int:
@@ -46,13 +49,27 @@ class ChunkedRows:
 
     @property
     def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.chunks)
+        return sum(a.numel() * a.element_size() for a in self._allocations)
 
     def ensure(self, rows: int) -> None:
-        """Allocate chunks until global rows ``0 .. rows-1`` exist (never beyond the capacity)."""
+        """Allocate chunks until global rows ``0 .. rows-1`` exist (never beyond the capacity). A new chunk starts
+        at a multiple of the row size; views made by :meth:`mapped` before it are dropped (the next call includes
+        it)."""
         while self.allocated_rows < min(rows, self.capacity_rows):
             n = min(self.chunk_rows, self.capacity_rows - self.allocated_rows)
-            self.chunks.append(torch.zeros(n, self.row_dim, dtype=self.dtype, pin_memory=self.pinned))
+            memory = torch.zeros((n + 1) * self.row_dim, dtype=self.dtype, pin_memory=self.pinned)
+            row_bytes = self.row_dim * memory.element_size()
+            skip = (-memory.data_ptr()) % row_bytes // memory.element_size()
+            self._allocations.append(memory)
+            self.chunks.append(memory[skip:skip + n * self.row_dim].view(n, self.row_dim))
+            self._mapped.clear()
+
+    def mapped(self, device: torch.device) -> MappedRows | None:
+        """Every allocated chunk as one view on ``device`` (``None`` where it cannot be made: see
+        :func:`~dhisparse.kv.mapped_host.map_chunks`); made once per device and growth of the store."""
+        if device not in self._mapped:
+            self._mapped[device] = map_chunks(self.chunks, self.chunk_rows, device)
+        return self._mapped[device]
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         assert dim == 0
@@ -134,7 +151,10 @@ class HostStore:
         page_bytes = page_rows * layout.row_bytes
         self.host_bytes = host_bytes or default_host_bytes()
         self.num_pages = self.host_bytes // page_bytes
-        chunk_pages = max(1, min(self.num_pages, chunk_bytes // page_bytes))
+        # Pinned: a chunk and its spare alignment row stay within ``chunk_bytes`` (torch's pinned allocator rounds
+        # an allocation up to a power of two, which a default-sized chunk plus one row would double).
+        spare = layout.row_bytes if self.pinned else 0
+        chunk_pages = max(1, min(self.num_pages, (chunk_bytes - spare) // page_bytes))
         self.rows = ChunkedRows(self.num_pages * page_rows, chunk_pages * page_rows, self.row_dim, self.dtype,
                                 self.pinned)
         # Free pages: the freed ids (a heap, all below the frontier) and every id from the frontier up (never used),

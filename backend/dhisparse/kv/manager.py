@@ -268,7 +268,7 @@ class KVManager:
         """Where an external transfer (disaggregated prefill) must write the admitted request's prompt rows:
         host-store row indices ``[num_sources, prompt_len]`` into :attr:`host` ``.rows``, or ``None`` when the
         policy keeps no host store (``resident``: hand the rows to :meth:`import_prompt` instead). The host
-        store may grow (replacing ``host.rows``) at the next admission, so write before admitting again."""
+        store's chunks never move, so the rows stay where they are however many requests are admitted after."""
         req = self._running(request_id)
         return history_host.history_host_rows(req, self.host) if self.config.uses_host else None
 
