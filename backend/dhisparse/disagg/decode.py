@@ -125,7 +125,7 @@ class DecodeEngine(LLMEngine):
             try:
                 self._post(req, context)
             except (TransferError, ValueError) as error:  # ValueError: params that do not fit this engine's layout
-                self._fail_import(req, str(error), updates)
+                self._fail_import(req, str(error), updates, context)
         completed += self._poll_transfers(updates)
         if not completed and not self.running and self.transferring:
             time.sleep(0.0002)  # only READs in flight: do not spin the step loop at full speed
@@ -146,17 +146,19 @@ class DecodeEngine(LLMEngine):
             self.importer.finish(pending)
             reason = self._abandoned.pop(request_id, None)
             if reason is not None:  # cancelled while the READ was in flight: nothing more to do than free it
+                if error is not None:  # a failed READ sends no notification: the context may free its region now
+                    self.importer.release_remote(pending.context)
                 self._finish(req, reason)
                 if reason == "abort":
                     self.counters["requests_aborted"] += 1
                 continue
             if error is not None:
-                self._fail_import(req, error, updates)
+                self._fail_import(req, error, updates, pending.context)
                 continue
             try:
                 features = self._complete(req, pending, meta_start, rows_at)
             except (TransferError, ValueError) as failure:
-                self._fail_import(req, str(failure), updates)
+                self._fail_import(req, str(failure), updates)  # the READ completed: NIXL notified the context
                 continue
             context = pending.context
             req.status = Status.RUNNING
@@ -231,13 +233,20 @@ class DecodeEngine(LLMEngine):
         """The engine stops: end the READs in flight too (their requests end with the engine's error)."""
         for request_id, (req, pending, _, _) in list(self.transferring.items()):
             self.importer.finish(pending)
+            self.importer.release_remote(pending.context)  # the READ is given up: the context may free its region
             if request_id not in self._abandoned:
                 self.waiting.append(req)  # LLMEngine._die ends every waiting request with the error
         self.transferring.clear()
         self._abandoned.clear()
         super()._die(reason, updates)
 
-    def _fail_import(self, req: Request, message: str, updates: list[RequestUpdate]) -> None:
+    def _fail_import(self, req: Request, message: str, updates: list[RequestUpdate],
+                     unread: ContextPhaseParams | None = None) -> None:
+        """End a request whose history could not be imported. ``unread``: its READ never completed (refused, failed
+        or timed out), so no notification reached the context: tell it to free the region now (best effort; it
+        frees it at its hold deadline otherwise)."""
+        if unread is not None:
+            self.importer.release_remote(unread)
         self.errors[req.request_id] = message
         self.counters["transfers_failed"] += 1
         self._end_with_error(req, message, updates)  # frees what the admission reserved; the update names it

@@ -156,6 +156,7 @@ class PendingRead:
     deadline: float
     started: float
     buffers: list[torch.Tensor]  # per-transfer buffers (registered for this READ only)
+    finished: bool = False  # NixlImporter.finish ran
 
 
 class NixlImporter:
@@ -172,6 +173,7 @@ class NixlImporter:
         self.agent = _agent(name)
         self._remotes: dict[str, set[bytes]] = {}  # agent name -> the (partial) metadata loaded for it
         self._registered: dict[int, tuple[torch.Tensor, Any]] = {}  # data_ptr -> (tensor, registration)
+        self._in_flight: dict[str, int] = {}  # agent name -> READs posted and not finished
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A fresh uint8 buffer of ``nbytes`` for one READ (registered when posted, deregistered by finish)."""
@@ -238,9 +240,14 @@ class NixlImporter:
             raise
         except Exception as error:
             self._deregister(buffers)
-            self._drop_remote(context.agent_name)
+            # This READ's descriptors were refused. Reload the agent's metadata next time (it may be stale), unless
+            # other READs from it are in flight: dropping the agent would make NIXL fail them too ("remote agent
+            # was invalidated"), and a failed READ notifies nobody.
+            if not self._in_flight.get(context.agent_name):
+                self._drop_remote(context.agent_name)
             raise TransferError(f"transfer of {context.request_key!r} could not start: {error}") from error
         pending = PendingRead(context, handle, started + self.timeout_s, started, list(buffers))
+        self._in_flight[context.agent_name] = self._in_flight.get(context.agent_name, 0) + 1
         try:
             state = self.agent.transfer(handle)
         except Exception as error:
@@ -279,6 +286,9 @@ class NixlImporter:
 
     def finish(self, pending: PendingRead) -> None:
         """Release the READ's handle and its per-transfer buffers' registrations (their content stays readable)."""
+        if not pending.finished:
+            pending.finished = True
+            self._in_flight[pending.context.agent_name] -= 1
         try:
             self.agent.release_xfer_handle(pending.handle)
         except Exception:
