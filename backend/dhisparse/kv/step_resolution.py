@@ -164,7 +164,7 @@ class StepResolution:
             loc = page * page_rows + (safe % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
             valid = (flat >= 0).unsqueeze(1)
             locations = torch.where(valid, loc, -1)  # [B, G, N]
-            rows = torch.where(valid, loc, m.pool.zero_row)
+            rows = self._gather_rows(locations)
             for g, (source, slot) in enumerate(todo):
                 self._deferred.append((flat, locations[:, g]))
                 self._resolved[source] = _Resolved(positions, locations[:, g], None, slot, False, rows[:, g])
@@ -208,7 +208,12 @@ class StepResolution:
             self._batch.hot_stamp[slots, index] = hot_stamp
 
     def _gather_rows(self, locations: torch.Tensor) -> torch.Tensor:
-        return torch.where(locations >= 0, locations, self._m.pool.zero_row)
+        """Arena rows to gather for ``locations`` (``-1`` where unused): the pool's zero row there. The zero row is
+        the arena's last row, so ``-1`` already indexes it (no operation)."""
+        pool = self._m.pool
+        if pool.zero_row == pool.arena.shape[0] - 1:
+            return locations
+        return torch.where(locations >= 0, locations, pool.zero_row)
 
     def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
         """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
@@ -222,7 +227,7 @@ class StepResolution:
         loc = page * page_rows + safe % page_rows  # negative exactly where the page is unmapped (flagged)
         valid = flat >= 0
         locations = torch.where(valid, loc, -1)
-        rows = torch.where(valid, loc, self._m.pool.zero_row)
+        rows = self._gather_rows(locations)
         self._deferred.append((flat, locations))
         self.resolver_calls += 1
         self._resolved[source] = _Resolved(positions, locations, None, slot, False, rows)
@@ -289,4 +294,4 @@ class StepResolution:
             if self._m.sync.read(broken)[0][0]:
                 raise error(_FLAG_MESSAGES[flag])
             return
-        self.flags[flag] |= broken
+        self.flags[flag : flag + 1].bitwise_or_(broken)  # in place, no write-back
