@@ -121,7 +121,7 @@ def resolve(
     Leading dimensions beyond one are allowed (``[R1, R2, ..., N]`` etc., every input with the same leading shape):
     each row along the last dimension is resolved on its own, and every output keeps the leading shape (the
     compacted copy list's ``copy_request`` then indexes the flattened rows). A step resolves an index group's
-    sources this way (``[B, G, ...]``) without stacking them.
+    sources this way (``[G, B, ...]``) without stacking them.
 
     ``on_device=True`` is the step's path: no value is read on the host (no overflow check, which the caller
     reads later from ``overflow``; no compacted copy list, whose ``copy_*`` fields are then empty — use the

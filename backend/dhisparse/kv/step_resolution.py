@@ -6,7 +6,7 @@
   are deferred and settled once per step (:meth:`StepResolution._settle_deferred`, called by ``report``).
 - **Otherwise** the torch resolver (on the device, fixed-shape fetch list) or, with the CUDA kernels and no
   verification staging, the resolver and row-copy kernels.
-- **Index groups**: sources selected by the same positions are resolved together, as ``[B, G, ...]`` rows of one
+- **Index groups**: sources selected by the same positions are resolved together, as ``[G, B, ...]`` rows of one
   resolution (a view of the step's state when the sources are consecutive; rows are independent, so each source
   gets what its own call would give), on direct steps and on the torch resolver without staging; host fetches stay
   one copy per source.
@@ -146,7 +146,7 @@ class StepResolution:
 
     def _resolve_group(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
         """Resolve several sources selected by the same ``positions`` at once: the resolver takes the group's
-        state as ``[B, G, ...]`` (a view of the step's tensors when the sources are consecutive) and resolves each
+        state as ``[G, B, ...]`` (a view of the step's tensors when the sources are consecutive) and resolves each
         row on its own, so each source's result is what its own call would give — one resolution (and one fetch
         list) serves the group. Used for direct steps and for steps without verification staging on the torch
         resolver."""
@@ -172,31 +172,35 @@ class StepResolution:
             return
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
         self._snapshot_hot()
-        res = resolve(flat.unsqueeze(1).expand(batch, groups, flat.shape[1]), self.page_table[:, index],
-                      self.hot_pos[:, index], self.hot_stamp[:, index], self.hot_loc[:, index], self.stamp, page_rows,
-                      None, on_device=True)  # [B, G, ...]
+
+        def by_source(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G, B, X] of the group's sources (a view)
+            return t[:, index].transpose(0, 1)
+
+        # Source-major rows ([G, B, ...]): each source's outputs (locations, fetch lists) are contiguous.
+        res = resolve(flat.unsqueeze(0).expand(groups, batch, flat.shape[1]), by_source(self.page_table),
+                      by_source(self.hot_pos), by_source(self.hot_stamp), by_source(self.hot_loc), self.stamp,
+                      page_rows, None, on_device=True)
         self.resolver_calls += groups
-        self._store_hot_sources(index, res.hot_pos, res.hot_stamp)
-        self.counts += res.counts.sum(1)
+        self._store_hot_sources(index, res.hot_pos.transpose(0, 1), res.hot_stamp.transpose(0, 1))
+        self.counts += res.counts.sum(0)
         assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
         self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
-        locations = res.locations  # [B, G, N]
+        locations = res.locations  # [G, B, N]
         tickets: list[CopyTicket | None] = [None] * groups
         if self.host_pages is not None:  # fixed-shape copy lists (see _resolve), one copy per source
             mask, pos = res.fetch_mask, res.fetch_position
-            host_pages = self.host_pages[:, index]
+            host_pages = by_source(self.host_pages)
             page = host_pages.gather(2, (pos // page_rows).clamp(max=host_pages.shape[2] - 1))
             assert res.fetch_location is not None
-            # Source-major ([G, B*N], one copy): each source's list is then a contiguous row.
-            src = torch.where(mask, m.host.rows_of(page, pos), 0).transpose(0, 1).reshape(groups, -1)
-            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).transpose(0, 1).reshape(groups, -1)
+            src = torch.where(mask, m.host.rows_of(page, pos), 0).view(groups, -1)
+            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).view(groups, -1)
             # Separate copies keep the prefetch: the leader's attention waits only for its own source's rows.
             for g in range(groups):
                 tickets[g] = m.copies.issue("fetch", m.pool.arena, dst[g], m.host.rows, src[g])
                 self._tickets.append(tickets[g])
         rows = self._gather_rows(locations)
         for g, (source, slot) in enumerate(todo):
-            self._resolved[source] = _Resolved(positions, locations[:, g], tickets[g], slot, False, rows[:, g])
+            self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False, rows[g])
 
     def _store_hot_sources(self, index: slice | torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
         """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""
