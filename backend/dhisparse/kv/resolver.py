@@ -154,7 +154,8 @@ def resolve(
     # Step 2: hot cache, a search over the B slots (sorted copy + binary search).
     if num_slots > 0:
         hot_sorted, hot_order = torch.sort(hot_pos, dim=-1)
-        probe = torch.searchsorted(hot_sorted, sorted_pos).clamp_(max=num_slots - 1)
+        hot_sorted = hot_sorted.contiguous()  # sort keeps a permuted input's layout; searchsorted wants rows
+        probe = torch.searchsorted(hot_sorted, sorted_pos.contiguous()).clamp_(max=num_slots - 1)
         resolved = direct | (hot_sorted.gather(-1, probe) == sorted_pos)
         hit_slot = hot_order.gather(-1, probe)
     else:
