@@ -61,6 +61,17 @@ STEP_HOST = 3
 _POS_SENTINEL = torch.iinfo(torch.int64).max
 
 
+_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _empty(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A shared empty tensor (the on-device path's unused outputs; made once per device and dtype)."""
+    key = (device, dtype)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.zeros(0, dtype=dtype, device=device)
+    return _EMPTY[key]
+
+
 class HotCacheOverflowError(ValueError):
     """A request's step selects more missing rows than its hot cache has evictable slots."""
 
@@ -176,7 +187,7 @@ def resolve(
         evict_key = evict_key.scatter_reduce(-1, hit_slot, torch.where(hot, key_max, -1), "amax")
     miss_first = miss & first
     miss_rank = miss_first.cumsum(dim=-1) - 1
-    num_candidates = (evict_key != key_max).sum(dim=-1)
+    num_candidates = num_slots - counts[..., 1]  # each distinct hot position hit one slot
     num_staging = 0 if staging_loc is None else staging_loc.shape[-1]
     overflow = num_miss > (num_candidates + num_staging if num_staging else num_candidates)
     if not on_device and bool(overflow.any()):
@@ -214,7 +225,7 @@ def resolve(
     loc_sorted = torch.where(direct, direct_loc, torch.where(valid, slot_loc, -1))
     locations = loc_sorted.scatter(-1, perm, loc_sorted)
     if on_device:  # the step's path uses neither the per-entry steps nor the compacted copy list
-        steps = torch.zeros(0, dtype=torch.int8, device=device)
+        steps = _empty(device, torch.int8)
     else:
         step_sorted = torch.where(
             direct, STEP_DIRECT, torch.where(hot, STEP_HOT, torch.where(miss, STEP_HOST, STEP_UNUSED))
@@ -232,7 +243,7 @@ def resolve(
         new_stamp, new_pos = hot_stamp.clone(), hot_pos.clone()
 
     if on_device:
-        copy_rows = copy_slot = copy_location = copy_position = torch.zeros(0, dtype=torch.int64, device=device)
+        copy_rows = copy_slot = copy_location = copy_position = _empty(device, torch.int64)
     else:
         copy_rows, copy_cols = torch.nonzero(miss_first.flatten(0, -2), as_tuple=True)
         entry = (copy_rows, copy_cols)
