@@ -253,17 +253,16 @@ class StepResolution:
         valid = raw >= 0
         self._flag(FLAG_BAD_POSITION, (raw >= self.lengths.view(-1, 1)).any(), ValueError)
         self._flag(FLAG_UNMAPPED, ((locs < 0) & valid).any(), RuntimeError)
-        # Positions of different resolutions kept distinct in one sort: resolution i adds i * 2^40.
         sizes = [f.shape[1] for f, _ in deferred]
-        if len(set(sizes)) == 1:
-            offsets = torch.arange(0, len(deferred) << 40, 1 << 40, device=raw.device).repeat_interleave(sizes[0])
-        else:
+        if len(set(sizes)) == 1:  # one sort of every resolution's row: [B, R, N], unused entries (< 0) first
+            ordered = torch.sort(raw.view(raw.shape[0], len(sizes), sizes[0]), dim=2).values
+        else:  # positions of different resolutions kept distinct in one sort: resolution i adds i * 2^40
             offsets = torch.cat([torch.full((n,), i << 40, dtype=torch.int64, device=raw.device)
                                  for i, n in enumerate(sizes)])
-        flats = torch.where(valid, raw + offsets, -1)
-        ordered = torch.sort(flats, dim=1).values  # unused entries (-1) first
-        previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
-        self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
+            ordered = torch.sort(torch.where(valid, raw + offsets, -1), dim=1).values
+        distinct = ordered >= 0  # valid and unlike the entry before it
+        distinct[..., 1:].logical_and_(ordered[..., 1:] != ordered[..., :-1])
+        self.counts.select(1, 0).add_(distinct.flatten(1).sum(dim=1))
 
     def _snapshot_hot(self) -> None:
         """Keep the hot state from before the step's first change (``abort_step`` restores it)."""
