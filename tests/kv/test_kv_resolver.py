@@ -173,3 +173,30 @@ def test_inputs_are_not_modified() -> None:
     resolve(*args, stamp=5, page_rows=2)
     for a, b in zip(args, before, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_leading_dimensions_resolve_each_row_on_its_own(seed: int) -> None:
+    """``[B, G, ...]`` inputs (a step's index group) give, row by row, what the 2-D call gives, with and without
+    staging."""
+    rng = random.Random(seed)
+    batch, groups, page_rows, slots, length, n = 3, 2, 4, 5, 40, 9
+    pages = length // page_rows
+    page_table = t([[[rng.choice([-1, rng.randint(0, 50)]) for _ in range(pages)] for _ in range(groups)]
+                    for _ in range(batch)])
+    hot_pos = torch.stack([torch.randperm(length, generator=torch.Generator().manual_seed(seed * 10 + i))[:slots]
+                           for i in range(batch * groups)]).view(batch, groups, slots)
+    hot_pos[0, 0, 0] = -1
+    hot_stamp = torch.randint(0, 5, (batch, groups, slots), generator=torch.Generator().manual_seed(seed))
+    hot_loc = torch.arange(batch * groups * slots).view(batch, groups, slots) + 100
+    positions = t([[rng.choice([-1, rng.randrange(length)]) for _ in range(n)] for _ in range(batch)])
+    positions = positions.unsqueeze(1).expand(batch, groups, n)
+    staging = torch.arange(batch * groups * 4).view(batch, groups, 4) + 500
+    for stage in (None, staging):
+        got = resolve(positions, page_table, hot_pos, hot_stamp, hot_loc, 9, page_rows, stage, on_device=True)
+        flat = [x.reshape(batch * groups, -1) for x in (positions, page_table, hot_pos, hot_stamp, hot_loc)]
+        want = resolve(*flat, 9, page_rows, None if stage is None else stage.reshape(batch * groups, -1),
+                       on_device=True)
+        for name in ("locations", "hot_pos", "hot_stamp", "counts", "staged", "overflow", "fetch_mask"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert torch.equal(a.reshape(b.shape), b), name

@@ -61,6 +61,17 @@ STEP_HOST = 3
 _POS_SENTINEL = torch.iinfo(torch.int64).max
 
 
+_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _empty(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A shared empty tensor (the on-device path's unused outputs; made once per device and dtype)."""
+    key = (device, dtype)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.zeros(0, dtype=dtype, device=device)
+    return _EMPTY[key]
+
+
 class HotCacheOverflowError(ValueError):
     """A request's step selects more missing rows than its hot cache has evictable slots."""
 
@@ -118,119 +129,129 @@ def resolve(
 ) -> Resolution:
     """Resolve the selected positions of ``R`` requests of one KV source (see the module docstring).
 
+    Leading dimensions beyond one are allowed (``[R1, R2, ..., N]`` etc., every input with the same leading shape):
+    each row along the last dimension is resolved on its own, and every output keeps the leading shape (the
+    compacted copy list's ``copy_request`` then indexes the flattened rows). A step resolves an index group's
+    sources this way (``[G, B, ...]``) without stacking them.
+
     ``on_device=True`` is the step's path: no value is read on the host (no overflow check, which the caller
     reads later from ``overflow``; no compacted copy list, whose ``copy_*`` fields are then empty — use the
     ``fetch_*`` fields); ``steps`` is empty too (the step does not use it)."""
-    if positions.dim() != 2 or page_table.dim() != 2 or hot_pos.dim() != 2:
-        raise ValueError("positions, page_table and hot_pos must be 2-D [R, ...] tensors")
-    num_requests = positions.shape[0]
-    num_slots = hot_pos.shape[1]
-    num_pages = page_table.shape[1]
+    dims = positions.dim()
+    if dims < 2 or page_table.dim() != dims or hot_pos.dim() != dims:
+        raise ValueError("positions, page_table and hot_pos must be [R, ...] tensors with the same number of "
+                         "dimensions")
+    num_slots = hot_pos.shape[-1]
+    num_pages = page_table.shape[-1]
     device = positions.device
 
-    # Sort each request's entries: duplicates become adjacent, misses come out in ascending order.
-    valid_in = positions >= 0
-    sorted_pos, perm = torch.sort(torch.where(valid_in, positions, _POS_SENTINEL), dim=1)
+    # Sort each row's entries: duplicates become adjacent, misses come out in ascending order, unused entries
+    # (the sentinel) last. The sentinel is past every page table and never in a hot cache, so it resolves to
+    # nothing without a mask.
+    sorted_pos, perm = torch.sort(positions.masked_fill(positions < 0, _POS_SENTINEL), dim=-1)
     valid = sorted_pos != _POS_SENTINEL
-    previous = torch.cat([torch.full_like(sorted_pos[:, :1], -1), sorted_pos[:, :-1]], dim=1)
-    first = valid & (sorted_pos != previous)
-    safe_pos = torch.where(valid, sorted_pos, 0)
+    first = valid.clone()
+    first[..., 1:].logical_and_(sorted_pos[..., 1:] != sorted_pos[..., :-1])
 
     # Step 1: direct (tail or ready optional page).
-    page_index = safe_pos // page_rows
-    in_table = valid & (page_index < num_pages)
+    page_index = torch.div(sorted_pos, page_rows, rounding_mode="floor")
     if num_pages > 0:
-        page = page_table.gather(1, page_index.clamp(max=num_pages - 1))
-        page = torch.where(in_table, page, -1)
+        page = page_table.gather(-1, page_index.clamp(max=num_pages - 1)).masked_fill_(page_index >= num_pages, -1)
     else:
-        page = torch.full_like(safe_pos, -1)
-    direct = valid & (page >= 0)
-    direct_loc = page * page_rows + safe_pos % page_rows
+        page = torch.full_like(sorted_pos, -1)
+    direct = page >= 0
+    direct_loc = torch.add(sorted_pos % page_rows, page, alpha=page_rows)
 
     # Step 2: hot cache, a search over the B slots (sorted copy + binary search).
     if num_slots > 0:
-        hot_sorted, hot_order = torch.sort(hot_pos, dim=1)
-        probe = torch.searchsorted(hot_sorted, safe_pos.contiguous()).clamp(max=num_slots - 1)
-        found = hot_sorted.gather(1, probe) == safe_pos
-        hit_slot = hot_order.gather(1, probe)
+        hot_sorted, hot_order = torch.sort(hot_pos, dim=-1)
+        hot_sorted = hot_sorted.contiguous()  # sort keeps a permuted input's layout; searchsorted wants rows
+        probe = torch.searchsorted(hot_sorted, sorted_pos.contiguous()).clamp_(max=num_slots - 1)
+        resolved = direct | (hot_sorted.gather(-1, probe) == sorted_pos)
+        hit_slot = hot_order.gather(-1, probe)
     else:
-        found = torch.zeros_like(valid)
-        hit_slot = torch.zeros_like(safe_pos)
-    hot = valid & ~direct & found
-    miss = valid & ~direct & ~found
+        resolved = direct
+        hit_slot = torch.zeros_like(sorted_pos)
+    hot = resolved ^ direct  # found and not direct
+    miss = valid ^ resolved  # valid, neither direct nor found (resolved entries are valid)
 
-    # Slots hit this step (extra column num_slots swallows the writes of non-hit entries).
-    hit_mask = torch.zeros(num_requests, num_slots + 1, dtype=torch.bool, device=device)
-    hit_mask.scatter_(1, torch.where(hot, hit_slot, num_slots), True)
-    hit_mask = hit_mask[:, :num_slots]
+    # Distinct positions resolved at steps 1, 2 and 3, in one reduction.
+    counts = (torch.stack([direct, hot, miss], dim=-2) & first.unsqueeze(-2)).sum(dim=-1)
+    num_miss = counts[..., 2]
 
-    # Step 3: eviction order = not hit; empty first, then ascending stamp; ties by slot index (stable sort).
-    miss_first = miss & first
-    num_miss = miss_first.sum(dim=1)
-    num_candidates = (~hit_mask).sum(dim=1)
-    num_staging = 0 if staging_loc is None else staging_loc.shape[1]
-    overflow = num_miss > num_candidates + num_staging
-    if not on_device and bool(overflow.any()):
-        r = int(torch.nonzero(overflow)[0, 0])
-        raise HotCacheOverflowError(
-            f"request row {r} misses {int(num_miss[r])} rows but its hot cache has only "
-            f"{int(num_candidates[r])} evictable of {num_slots} slots and {num_staging} staging rows; raise "
-            "hot_rows (B) to at least the number of distinct rows one step can select"
-        )
+    # Step 3: eviction order = not hit (hit slots get the largest key: an entry that hit nothing writes -1, which
+    # the maximum ignores, as every key is >= -1); empty first, then ascending stamp; ties by slot index (stable).
     key_max = torch.iinfo(torch.int64).max
-    evict_key = torch.where(hot_pos < 0, -1, hot_stamp).masked_fill_(hit_mask, key_max)
-    evict_order = torch.sort(evict_key, dim=1, stable=True).indices
-    miss_rank = torch.cumsum(miss_first.to(torch.int64), dim=1) - 1
+    evict_key = torch.where(hot_pos < 0, -1, hot_stamp)
     if num_slots > 0:
-        victim = evict_order.gather(1, miss_rank.clamp(min=0, max=num_slots - 1))
+        evict_key = evict_key.scatter_reduce(-1, hit_slot, torch.where(hot, key_max, -1), "amax")
+    miss_first = miss & first
+    miss_rank = miss_first.cumsum(dim=-1) - 1
+    num_candidates = num_slots - counts[..., 1]  # each distinct hot position hit one slot
+    num_staging = 0 if staging_loc is None else staging_loc.shape[-1]
+    overflow = num_miss > (num_candidates + num_staging if num_staging else num_candidates)
+    if not on_device and bool(overflow.any()):
+        r = int(torch.nonzero(overflow.reshape(-1))[0, 0])
+        raise HotCacheOverflowError(
+            f"request row {r} misses {int(num_miss.reshape(-1)[r])} rows but its hot cache has only "
+            f"{int(num_candidates.reshape(-1)[r])} evictable of {num_slots} slots and {num_staging} staging rows; "
+            "raise hot_rows (B) to at least the number of distinct rows one step can select"
+        )
+    if num_slots > 0:
+        evict_order = torch.sort(evict_key, dim=-1, stable=True).indices
+        victim = evict_order.gather(-1, miss_rank.clamp(min=0, max=num_slots - 1))
     else:
-        victim = torch.zeros_like(safe_pos)
+        victim = hit_slot
 
     # Misses past the evictable slots go to verification staging, in ascending position order. Without staging
     # there are none (more misses than evictable slots is an overflow: raised here, or flagged on the device and
     # raised at end_step, whose abort restores the hot caches).
-    if num_staging > 0:
-        stage_rank = miss_rank - num_candidates.unsqueeze(1)
-        staged = miss & (stage_rank >= 0)
-        cached_miss_first = miss_first & ~staged
-    else:
-        staged, cached_miss_first = torch.zeros_like(miss), miss_first
-
-    # Locations in sorted order, then back to the caller's order.
     slot = torch.where(hot, hit_slot, victim)
-    slot_loc = hot_loc.gather(1, slot) if num_slots > 0 else torch.full_like(safe_pos, -1)
+    slot_loc = hot_loc.gather(-1, slot) if num_slots > 0 else torch.full_like(sorted_pos, -1)
     if num_staging > 0:
         assert staging_loc is not None
-        stage_loc = staging_loc.gather(1, stage_rank.clamp(min=0, max=num_staging - 1))
+        stage_rank = miss_rank - num_candidates.unsqueeze(-1)
+        staged = miss & (stage_rank >= 0)
+        cached_miss_first = miss_first & ~staged
+        stage_loc = staging_loc.gather(-1, stage_rank.clamp(min=0, max=num_staging - 1))
         slot_loc = torch.where(staged, stage_loc, slot_loc)
+        staged_count = (staged & first).sum(dim=-1)
+    else:
+        staged = None
+        cached_miss_first = miss_first
+        staged_count = torch.zeros_like(num_miss)
+
+    # Locations in sorted order, then back to the caller's order (perm is a permutation: every entry is written).
     loc_sorted = torch.where(direct, direct_loc, torch.where(valid, slot_loc, -1))
-    locations = torch.empty_like(loc_sorted).scatter_(1, perm, loc_sorted)
+    locations = loc_sorted.scatter(-1, perm, loc_sorted)
     if on_device:  # the step's path uses neither the per-entry steps nor the compacted copy list
-        steps = torch.zeros(0, dtype=torch.int8, device=device)
+        steps = _empty(device, torch.int8)
     else:
         step_sorted = torch.where(
             direct, STEP_DIRECT, torch.where(hot, STEP_HOT, torch.where(miss, STEP_HOST, STEP_UNUSED))
         ).to(torch.int8)
-        steps = torch.empty_like(step_sorted).scatter_(1, perm, step_sorted)
+        steps = step_sorted.scatter(-1, perm, step_sorted)
 
-    # New LRU state: hit slots and victim slots take the current stamp; victims take their miss.
-    touched = torch.where(hot | cached_miss_first, slot, num_slots)
-    new_stamp = torch.cat([hot_stamp, hot_stamp.new_zeros(num_requests, 1)], dim=1).scatter(
-        1, touched, torch.full_like(touched, int(stamp))
-    )[:, :num_slots]
-    placed = torch.where(cached_miss_first, victim, num_slots)
-    new_pos = torch.cat([hot_pos, hot_pos.new_zeros(num_requests, 1)], dim=1)
-    new_pos = new_pos.scatter(1, placed, sorted_pos)[:, :num_slots]
+    # New LRU state: hit slots and victim slots take the current stamp (larger than every stamp: the maximum keeps
+    # it, and the -1 of the other entries changes nothing); victims take their miss (other entries write into an
+    # extra column, dropped).
+    if num_slots > 0:
+        new_stamp = hot_stamp.scatter_reduce(-1, slot, torch.where(hot | cached_miss_first, int(stamp), -1), "amax")
+        new_pos = torch.cat([hot_pos, hot_pos[..., :1]], dim=-1).scatter_(
+            -1, torch.where(cached_miss_first, victim, num_slots), sorted_pos)[..., :num_slots]
+    else:
+        new_stamp, new_pos = hot_stamp.clone(), hot_pos.clone()
 
     if on_device:
-        copy_rows = copy_slot = copy_location = copy_position = torch.zeros(0, dtype=torch.int64, device=device)
+        copy_rows = copy_slot = copy_location = copy_position = _empty(device, torch.int64)
     else:
-        copy_rows, copy_cols = torch.nonzero(miss_first, as_tuple=True)
-        copy_staged = staged[copy_rows, copy_cols]
-        copy_slot = torch.where(copy_staged, -1, victim[copy_rows, copy_cols])
-        copy_location = slot_loc[copy_rows, copy_cols]
-        copy_position = sorted_pos[copy_rows, copy_cols]
-    counts = torch.stack([(direct & first).sum(1), (hot & first).sum(1), num_miss], dim=1)
+        copy_rows, copy_cols = torch.nonzero(miss_first.flatten(0, -2), as_tuple=True)
+        entry = (copy_rows, copy_cols)
+        copy_staged = (staged.flatten(0, -2)[entry] if staged is not None
+                       else torch.zeros_like(copy_rows, dtype=torch.bool))
+        copy_slot = torch.where(copy_staged, -1, victim.flatten(0, -2)[entry])
+        copy_location = slot_loc.flatten(0, -2)[entry]
+        copy_position = sorted_pos.flatten(0, -2)[entry]
     return Resolution(
         locations=locations,
         steps=steps,
@@ -241,9 +262,9 @@ def resolve(
         copy_slot=copy_slot,
         copy_location=copy_location,
         counts=counts,
-        staged=(staged & first).sum(1),
+        staged=staged_count,
         fetch_mask=miss_first,
-        fetch_position=safe_pos,
+        fetch_position=sorted_pos,
         fetch_location=slot_loc,
         overflow=overflow,
     )

@@ -6,9 +6,10 @@
   are deferred and settled once per step (:meth:`StepResolution._settle_deferred`, called by ``report``).
 - **Otherwise** the torch resolver (on the device, fixed-shape fetch list) or, with the CUDA kernels and no
   verification staging, the resolver and row-copy kernels.
-- **Index groups**: sources selected by the same positions are resolved together, stacked along the resolver's
-  request dimension (``[G*B, ...]``; rows are independent, so each source gets what its own call would give), on
-  direct steps and on the torch resolver without staging; host fetches stay one copy per source.
+- **Index groups**: sources selected by the same positions are resolved together, as ``[G, B, ...]`` rows of one
+  resolution (a view of the step's state when the sources are consecutive; rows are independent, so each source
+  gets what its own call would give), on direct steps and on the torch resolver without staging; host fetches stay
+  one copy per source.
 - **Hot state** is written into the batch state's slots as soon as it is computed (``store_hot``); ``abort_step``
   restores it from a snapshot taken before the step's first change (``restore_hot_state``).
 """
@@ -53,8 +54,11 @@ _FLAG_MESSAGES = (
 _SOURCE_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
 
-def _source_index(sources: list[int], device: torch.device) -> torch.Tensor:
-    """The sources of an index group as an index tensor on ``device`` (made once per group)."""
+def _source_index(sources: list[int], device: torch.device) -> slice | torch.Tensor:
+    """The sources of an index group as an index of the source dimension: a slice when they are consecutive (a
+    view, no copy; every GLM-style group), else an index tensor on ``device`` (made once per group)."""
+    if sources == list(range(sources[0], sources[0] + len(sources))):
+        return slice(sources[0], sources[0] + len(sources))
     key = (tuple(sources), device)
     index = _SOURCE_INDEX.get(key)
     if index is None:
@@ -141,10 +145,11 @@ class StepResolution:
                                            self._gather_rows(res.locations))
 
     def _resolve_group(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
-        """Resolve several sources selected by the same ``positions`` at once: their rows are stacked along the
-        resolver's request dimension (``[G*B, ...]``, source-major), so one resolution (and one fetch) serves the
-        group — the resolver treats rows independently, so each source's result is what its own call would give.
-        Used for direct steps and for steps without verification staging on the torch resolver."""
+        """Resolve several sources selected by the same ``positions`` at once: the resolver takes the group's
+        state as ``[G, B, ...]`` (a view of the step's tensors when the sources are consecutive) and resolves each
+        row on its own, so each source's result is what its own call would give — one resolution (and one fetch
+        list) serves the group. Used for direct steps and for steps without verification staging on the torch
+        resolver."""
         m, batch = self._m, len(self.requests)
         sources = [s for s, _ in todo]
         groups = len(sources)
@@ -159,7 +164,7 @@ class StepResolution:
             loc = page * page_rows + (safe % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
             valid = (flat >= 0).unsqueeze(1)
             locations = torch.where(valid, loc, -1)  # [B, G, N]
-            rows = torch.where(valid, loc, m.pool.zero_row)
+            rows = self._gather_rows(locations)
             for g, (source, slot) in enumerate(todo):
                 self._deferred.append((flat, locations[:, g]))
                 self._resolved[source] = _Resolved(positions, locations[:, g], None, slot, False, rows[:, g])
@@ -168,45 +173,51 @@ class StepResolution:
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
         self._snapshot_hot()
 
-        def stacked(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G*B, X] of the group's sources
-            return t[:, index].transpose(0, 1).reshape(groups * batch, -1)
+        def by_source(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G, B, X] of the group's sources (a view)
+            return t[:, index].transpose(0, 1)
 
-        res = resolve(flat.repeat(groups, 1), stacked(self.page_table), stacked(self.hot_pos),
-                      stacked(self.hot_stamp), stacked(self.hot_loc), self.stamp, page_rows, None, on_device=True)
+        # Source-major rows ([G, B, ...]): each source's outputs (locations, fetch lists) are contiguous.
+        res = resolve(flat.unsqueeze(0).expand(groups, batch, flat.shape[1]), by_source(self.page_table),
+                      by_source(self.hot_pos), by_source(self.hot_stamp), by_source(self.hot_loc), self.stamp,
+                      page_rows, None, on_device=True)
         self.resolver_calls += groups
-        hot_rows = self.hot_pos.shape[2]
-        self._store_hot_sources(index, res.hot_pos.view(groups, batch, hot_rows).transpose(0, 1),
-                                res.hot_stamp.view(groups, batch, hot_rows).transpose(0, 1))
-        self.counts += res.counts.view(groups, batch, 3).sum(0)
+        self._store_hot_sources(index, res.hot_pos.transpose(0, 1), res.hot_stamp.transpose(0, 1))
+        self.counts += res.counts.sum(0)
         assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
         self._flag(FLAG_OVERFLOW, res.overflow.any(), HotCacheOverflowError)
+        locations = res.locations  # [G, B, N]
         tickets: list[CopyTicket | None] = [None] * groups
         if self.host_pages is not None:  # fixed-shape copy lists (see _resolve), one copy per source
             mask, pos = res.fetch_mask, res.fetch_position
-            host_pages = stacked(self.host_pages)
-            page = host_pages.gather(1, (pos // page_rows).clamp(max=host_pages.shape[1] - 1))
-            src = torch.where(mask, m.host.rows_of(page, pos), 0).view(groups, -1)
+            host_pages = by_source(self.host_pages)
+            page = host_pages.gather(2, (pos // page_rows).clamp(max=host_pages.shape[2] - 1))
             assert res.fetch_location is not None
+            src = torch.where(mask, m.host.rows_of(page, pos), 0).view(groups, -1)
             dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).view(groups, -1)
             # Separate copies keep the prefetch: the leader's attention waits only for its own source's rows.
             for g in range(groups):
                 tickets[g] = m.copies.issue("fetch", m.pool.arena, dst[g], m.host.rows, src[g])
                 self._tickets.append(tickets[g])
-        locations = res.locations.view(groups, batch, -1)
         rows = self._gather_rows(locations)
         for g, (source, slot) in enumerate(todo):
             self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False, rows[g])
 
-    def _store_hot_sources(self, index: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
+    def _store_hot_sources(self, index: slice | torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
         """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""
         self.hot_pos[:, index] = hot_pos
         self.hot_stamp[:, index] = hot_stamp
         if self._scatter is not None:
-            self._batch.hot_pos[self._scatter.unsqueeze(1), index] = hot_pos
-            self._batch.hot_stamp[self._scatter.unsqueeze(1), index] = hot_stamp
+            slots = self._scatter if isinstance(index, slice) else self._scatter.unsqueeze(1)
+            self._batch.hot_pos[slots, index] = hot_pos
+            self._batch.hot_stamp[slots, index] = hot_stamp
 
     def _gather_rows(self, locations: torch.Tensor) -> torch.Tensor:
-        return torch.where(locations >= 0, locations, self._m.pool.zero_row)
+        """Arena rows to gather for ``locations`` (``-1`` where unused): the pool's zero row there. The zero row is
+        the arena's last row, so ``-1`` already indexes it (no operation)."""
+        pool = self._m.pool
+        if pool.zero_row == pool.arena.shape[0] - 1:
+            return locations
+        return torch.where(locations >= 0, locations, pool.zero_row)
 
     def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
         """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
@@ -220,7 +231,7 @@ class StepResolution:
         loc = page * page_rows + safe % page_rows  # negative exactly where the page is unmapped (flagged)
         valid = flat >= 0
         locations = torch.where(valid, loc, -1)
-        rows = torch.where(valid, loc, self._m.pool.zero_row)
+        rows = self._gather_rows(locations)
         self._deferred.append((flat, locations))
         self.resolver_calls += 1
         self._resolved[source] = _Resolved(positions, locations, None, slot, False, rows)
@@ -242,17 +253,16 @@ class StepResolution:
         valid = raw >= 0
         self._flag(FLAG_BAD_POSITION, (raw >= self.lengths.view(-1, 1)).any(), ValueError)
         self._flag(FLAG_UNMAPPED, ((locs < 0) & valid).any(), RuntimeError)
-        # Positions of different resolutions kept distinct in one sort: resolution i adds i * 2^40.
         sizes = [f.shape[1] for f, _ in deferred]
-        if len(set(sizes)) == 1:
-            offsets = torch.arange(0, len(deferred) << 40, 1 << 40, device=raw.device).repeat_interleave(sizes[0])
-        else:
+        if len(set(sizes)) == 1:  # one sort of every resolution's row: [B, R, N], unused entries (< 0) first
+            ordered = torch.sort(raw.view(raw.shape[0], len(sizes), sizes[0]), dim=2).values
+        else:  # positions of different resolutions kept distinct in one sort: resolution i adds i * 2^40
             offsets = torch.cat([torch.full((n,), i << 40, dtype=torch.int64, device=raw.device)
                                  for i, n in enumerate(sizes)])
-        flats = torch.where(valid, raw + offsets, -1)
-        ordered = torch.sort(flats, dim=1).values  # unused entries (-1) first
-        previous = torch.cat([torch.full_like(ordered[:, :1], -1), ordered[:, :-1]], dim=1)
-        self.counts[:, 0] += ((ordered >= 0) & (ordered != previous)).sum(dim=1)
+            ordered = torch.sort(torch.where(valid, raw + offsets, -1), dim=1).values
+        distinct = ordered >= 0  # valid and unlike the entry before it
+        distinct[..., 1:].logical_and_(ordered[..., 1:] != ordered[..., :-1])
+        self.counts.select(1, 0).add_(distinct.flatten(1).sum(dim=1))
 
     def _snapshot_hot(self) -> None:
         """Keep the hot state from before the step's first change (``abort_step`` restores it)."""
@@ -287,4 +297,4 @@ class StepResolution:
             if self._m.sync.read(broken)[0][0]:
                 raise error(_FLAG_MESSAGES[flag])
             return
-        self.flags[flag] |= broken
+        self.flags[flag : flag + 1].bitwise_or_(broken)  # in place, no write-back
