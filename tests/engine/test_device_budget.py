@@ -1,6 +1,6 @@
 """One device budget: what the KV side keeps on the device is the arena (``pool_bytes``, where requests' pages and
 their indexer keys live) plus a fixed state that is part of the workspace bound printed at start (the persistent
-batch state, the draft ring, the arena's zero page and scratch row). Measured with torch's memory profiler on CPU
+batch state, the draft ring, the arena's scratch and zero pages). Measured with torch's memory profiler on CPU
 while the KV manager is built and while requests run; with many slots and a long ``max_model_len`` the per-slot
 indexer keys of earlier versions (``max_batch_size * max_model_len`` keys per indexer layer beside the pool) would
 exceed the arena and fixed state together. Paged keys change no token."""
@@ -82,7 +82,7 @@ def test_speculative_step_stays_within_the_bound_and_the_ring_is_counted(tiny_ch
     ring = engine.spec.ring
     ring_bytes = ring.rows.numel() * ring.rows.element_size() + ring.count.numel() * ring.count.element_size()
     assert engine.workspace.kv_fixed_bytes == engine.kv.batch.nbytes + ring_bytes + (
-        engine.kv.config.page_rows + 1) * engine.kv.layout.row_bytes
+        2 * engine.kv.config.page_rows) * engine.kv.layout.row_bytes
     prompts = random_prompts([96, 33, 61], 96, seed=9)
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     want = [o.token_ids for o in LLM(engine_dir, kv_policy="dense").generate(prompts, params)]

@@ -129,7 +129,7 @@ class LLMEngine:
 
     def _kv_fixed_bytes(self, cfg: EngineConfig, ring: int) -> int:
         """The KV side's fixed device state beside the arena (``engine/workspace.py``): the hierarchy's batch state,
-        zero page and scratch row, and the draft ring's tensors (0 for the dense reference store)."""
+        scratch and zero pages, and the draft ring's tensors (0 for the dense reference store)."""
         spec_bytes = 0 if self.spec is None else sum(t.numel() * t.element_size()
                                                      for t in (self.spec.ring.rows, self.spec.ring.count))
         if policy_named(cfg.kv_policy, "kv_policy").reference_store:

@@ -5,7 +5,7 @@ staging and optional pages, and its indexer keys, which live in arena pages too:
 KV side keeps on the device beyond it is fixed by the configuration and part of this bound: the persistent batch
 state (``kv/batch_state.py``: page tables, host page ids, hot-cache state, staging rows and key-page tables of
 ``max_batch_size`` slots of ``max_model_len`` positions, ``batch_state_bytes`` in ``stats()``), the draft ring
-(``max_batch_size`` slots, when speculating) and the arena's zero page and scratch row. Admission still charges
+(``max_batch_size`` slots, when speculating) and the arena's scratch and zero pages. Admission still charges
 each request's page-table / hot-state bytes and its draft ring against the pool as well (the planner's
 per-request model of them), so those are counted twice: conservative, and small beside the pages.
 Each forward also allocates temporaries; they are bounded here by the configuration alone —
@@ -114,11 +114,11 @@ def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int
 
 def kv_fixed_bytes(layout, config, ring_tensor_bytes: int = 0) -> int:
     """Device bytes the KV hierarchy allocates beside the arena for a fixed-size configuration: the persistent batch
-    state, the draft ring's tensors and the arena's zero page and scratch row (``kv/device_pool.py``)."""
+    state, the draft ring's tensors and the arena's scratch and zero pages (``kv/device_pool.py``)."""
     from dhisparse.kv.batch_state import BatchState  # late: dhisparse.kv imports the model package
 
     return (BatchState.size_bytes(layout, config) + ring_tensor_bytes
-            + (config.page_rows + 1) * layout.row_bytes)
+            + 2 * config.page_rows * layout.row_bytes)
 
 
 def auto_pool_bytes(device: torch.device, workspace: WorkspaceBound, fraction: float = 0.9) -> int:

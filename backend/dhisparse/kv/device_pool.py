@@ -49,12 +49,13 @@ class DevicePool:
           :meth:`reserve_required` / :meth:`release_required` / :meth:`allocate` (optional) / :meth:`free`,
           each of which checks ``required + optional + reserve <= pool_bytes`` afterwards.
         - The arena itself is sized ``pool_bytes // page_bytes`` pages, an upper bound: the accounting also
-          counts metadata that lives outside it, so the pages in use never exceed it. Two things follow the
-          pages, outside the budget (one page and one row, counted in the engine's workspace bound): the
-          *zero page* :attr:`zero_page` (page id ``num_pages``), always zero — its first row is :attr:`zero_row`
-          (a step gathers unused selection entries from it, so a gather is one index with no mask) and it is the
-          key page of every key block a request does not own (``kv/index_keys.py``); then :attr:`scratch_row`:
-          fixed-shape copy lists send the entries that copy nothing there, and no location ever points at it.
+          counts metadata that lives outside it, so the pages in use never exceed it. Two pages follow the
+          pages, outside the budget (counted in the engine's workspace bound): the *scratch page* (page id
+          ``num_pages``), whose first row :attr:`scratch_row` receives the entries of fixed-shape copy lists that
+          copy nothing (no location ever points into it), then the *zero page* :attr:`zero_page` (``num_pages +
+          1``), always zero: its last row, the arena's last, is :attr:`zero_row` (a step gathers unused selection
+          entries from it, so a gather is one index with no mask; ``-1`` indexes it as well), and it is the key page
+          of every key block a request does not own (``kv/index_keys.py``).
         - Indexer keys live in arena pages too (``kv/index_keys.py``): :attr:`keys` views every page, the zero
           page included, as ``keys_per_page`` keys of the layout's key format.
     """
@@ -65,12 +66,13 @@ class DevicePool:
         self.pool_bytes = config.pool_bytes
         self.reserve_bytes = config.reserve_bytes
         self.num_pages = config.pool_bytes // self.page_bytes
-        self.zero_page = self.num_pages
-        self.zero_row = self.zero_page * config.page_rows
-        self.scratch_row = self.zero_row + config.page_rows
-        self.arena = torch.zeros(self.scratch_row + 1, layout.storage_dim, dtype=layout.storage_dtype, device=device)
+        self.scratch_row = self.num_pages * config.page_rows  # first row of the scratch page
+        self.zero_page = self.num_pages + 1
+        self.arena = torch.zeros((self.num_pages + 2) * config.page_rows, layout.storage_dim,
+                                 dtype=layout.storage_dtype, device=device)
+        self.zero_row = self.arena.shape[0] - 1  # the zero page's last row: ``-1`` indexes it too
         self.keys_per_page = keys_per_page(layout, config.page_rows)
-        self.keys = key_view(self.arena, self.num_pages + 1, self.page_bytes, layout, self.keys_per_page)
+        self.keys = key_view(self.arena, self.num_pages + 2, self.page_bytes, layout, self.keys_per_page)
         self.poison_freed = poison_freed
         self._free: list[int] = list(range(self.num_pages))
         self._is_free = torch.ones(self.num_pages, dtype=torch.bool)
@@ -138,7 +140,7 @@ class DevicePool:
         if optional:
             self.optional_bytes -= ids.numel() * self.page_bytes
         if self.poison_freed:
-            pages_view = self.arena[: self.zero_row].view(self.num_pages, self.page_rows, -1)
+            pages_view = self.arena[: self.scratch_row].view(self.num_pages, self.page_rows, -1)
             pages_view[ids.to(self.arena.device)] = float("nan") if self.arena.is_floating_point() else 255
 
     def is_free(self, pages: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,7 @@ def _check_slots(m: KVManager) -> None:
                  bool((batch.host_pages[free] < 0).all()), bool((batch.key_pages[free] == batch.zero_page).all())]
         if not all(empty):
             _fail("batch slots", f"a free slot of {sorted(free)} is not empty")
-    zero = m.pool.arena[m.pool.zero_row: m.pool.scratch_row]
+    zero = m.pool.arena[m.pool.zero_page * m.pool.page_rows:]
     if bool(zero.any()):
         _fail("zero page", "the pool's zero page (zero row, unowned key blocks) is not zero")
 
