@@ -157,7 +157,7 @@ class KVLayout:
         """Rows ``[..., row_dim]`` → stored rows ``[..., storage_dim]`` of ``storage_dtype``."""
         if self.row_format == "fp8":
             return quantize_rows(rows, self.latent_dim)
-        return rows.to(self.dtype)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored rows ``[..., storage_dim]`` → rows ``[..., row_dim]`` of ``dtype``."""
@@ -181,7 +181,9 @@ class KVLayout:
 
     def encode_keys(self, keys: torch.Tensor) -> torch.Tensor:
         """Keys ``[..., index_key_dim]`` → stored keys ``[..., key_storage_dim]`` of ``key_storage_dtype``."""
-        return quantize_keys(keys) if self.index_key_format == "fp8" else keys.to(self.dtype)
+        if self.index_key_format == "fp8":
+            return quantize_keys(keys)
+        return keys if keys.dtype == self.dtype else keys.to(self.dtype)
 
     def decode_keys(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored keys → keys ``[..., index_key_dim]`` of ``dtype``."""

@@ -118,31 +118,34 @@ class StepKV(StepResolution):
         width = max(r.footprint.num_pages for r in requests)
         table = batch_state.page_table[rows, :, :width].clone()
         self.page_table = table  # [B, S, M]
-        self.hot_pos = batch_state.hot_pos[rows]  # [B, S, hot_rows]
-        self.hot_stamp = batch_state.hot_stamp[rows]
-        self.hot_loc = batch_state.hot_loc[rows]
-        self.host_pages: torch.Tensor | None = batch_state.host_pages[rows] if manager.uses_host else None
+        # Hot caches [B, S, hot_rows], host page ids [B, S, M] and staging rows [B, G, T] of the step's slots are read
+        # on first use (properties below): a direct step never touches them. Only the step changes them, so a later
+        # read sees what a read here would.
+        self._slot_state: dict[str, torch.Tensor] = {}
         self._hot_before: tuple[torch.Tensor, torch.Tensor] | None = None  # for abort_step (first resolve)
         # Arena rows of the new tokens: [B, S, Q].
-        new_pos = self.starts.unsqueeze(1) + torch.arange(query_len, device=device)  # [B, Q]
+        new_pos = self.starts.unsqueeze(1)  # [B, Q]
+        if query_len > 1:
+            new_pos = new_pos + torch.arange(query_len, device=device)
         page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
         self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
         # Indexer keys live in arena pages (kv/index_keys.py): the step's key-page tables [B, L, KB] (a view or one
         # gather; they change only at admission and release) and, for writes, the page and offset of each new key.
-        self._key_pages = batch_state.key_pages[rows]
+        key_pages = batch_state.key_pages[rows]
+        self._key_blocks = key_pages.shape[2]
+        self._key_pages = key_pages.unbind(1)  # per indexer layer [B, KB]
         per_page = max(1, pool.keys_per_page)
-        self._key_write = (self._key_pages.gather(2, (new_pos // per_page).unsqueeze(1).expand(
-            -1, self._key_pages.shape[1], -1)), new_pos % per_page)  # pages [B, L, Q], offsets [B, Q]
+        write_pages = key_pages.gather(2, (new_pos // per_page).unsqueeze(1).expand(-1, key_pages.shape[1], -1))
+        self._key_write = (write_pages.unbind(1), new_pos % per_page)  # per layer pages [B, Q]; offsets [B, Q]
         # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer.
         nreq = len(requests)
         self._report = torch.zeros(4 * nreq + len(_FLAG_MESSAGES), dtype=torch.int64, device=device)
         self.counts = self._report[: 3 * nreq].view(nreq, 3)
         self.staged = self._report[3 * nreq : 4 * nreq]  # rows copied into staging
-        self.staging_loc = batch_state.staging_loc[rows]  # [B, G, T]
         self.flags = self._report[4 * nreq :]
         self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
-        # Arena rows each source's write goes to ([S, B*Q]; an unmapped row is flagged above).
-        self._write_rows = self.new_rows.clamp(min=0).transpose(0, 1).reshape(sources, -1)
+        # Arena rows each source's write goes to ([S, B*Q] as one view per source; an unmapped row is flagged above).
+        self._write_rows = self.new_rows.clamp(min=0).transpose(0, 1).reshape(sources, -1).unbind(0)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
@@ -152,6 +155,33 @@ class StepKV(StepResolution):
         self._tickets: list[CopyTicket] = []
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
+
+    def _slot_rows(self, name: str) -> torch.Tensor:
+        """The step's rows of one batch-state tensor: a view (consecutive slots) or a gathered copy, read once."""
+        value = self._slot_state.get(name)
+        if value is None:
+            value = self._slot_state[name] = getattr(self._batch, name)[self._rows]
+        return value
+
+    @property
+    def hot_pos(self) -> torch.Tensor:
+        return self._slot_rows("hot_pos")
+
+    @property
+    def hot_stamp(self) -> torch.Tensor:
+        return self._slot_rows("hot_stamp")
+
+    @property
+    def hot_loc(self) -> torch.Tensor:
+        return self._slot_rows("hot_loc")
+
+    @property
+    def host_pages(self) -> torch.Tensor | None:
+        return self._slot_rows("host_pages") if self._m.uses_host else None
+
+    @property
+    def staging_loc(self) -> torch.Tensor:
+        return self._slot_rows("staging_loc")
 
     # ------------------------------------------------------------------------------------------ writes
     def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
@@ -171,7 +201,7 @@ class StepKV(StepResolution):
                                  "are required for a layer with an indexer")
             # One indexed write into the requests' key pages in the arena.
             pages, within = self._key_write
-            m.pool.keys.index_put_((pages[:, self._batch.layer_index[layer]], within), m.layout.encode_keys(index_keys))
+            m.pool.keys.index_put_((pages[self._batch.layer_index[layer]], within), m.layout.encode_keys(index_keys))
         elif index_keys is not None:
             raise ValueError(f"layer {layer} has no indexer; pass index_keys=None")
 
@@ -187,12 +217,15 @@ class StepKV(StepResolution):
         # start .. stop-1, no per-request work.
         per_page = m.pool.keys_per_page
         first, blocks = start // per_page, -(-stop // per_page)
-        if blocks > self._key_pages.shape[2]:
+        if blocks > self._key_blocks:
             raise ValueError(f"index_keys(layer {layer}): stop {stop} is past the batch state's "
-                             f"{self._key_pages.shape[2] * per_page} positions per slot")
-        pages = self._key_pages[:, self._batch.layer_index[layer], first:blocks]  # [B, n]
+                             f"{self._key_blocks * per_page} positions per slot")
+        pages = self._key_pages[self._batch.layer_index[layer]]  # [B, KB]
+        if first or blocks < self._key_blocks:
+            pages = pages[:, first:blocks]
         keys = m.pool.keys[pages].flatten(1, 2)  # [B, n * per_page, D]
-        return m.layout.decode_keys(keys[:, start - first * per_page : stop - first * per_page])
+        lo, hi = start - first * per_page, stop - first * per_page
+        return m.layout.decode_keys(keys if (lo, hi) == (0, keys.shape[1]) else keys[:, lo:hi])
 
     # ------------------------------------------------------------------------------------------ gather
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:

@@ -82,6 +82,8 @@ class StepResolution:
     resolver_calls: int
     lengths: torch.Tensor
     page_table: torch.Tensor
+    query_len: int
+    # hot_pos, hot_stamp, hot_loc, host_pages, staging_loc: properties of StepKV (the step's slot rows, read lazily)
     hot_pos: torch.Tensor
     hot_stamp: torch.Tensor
     hot_loc: torch.Tensor
@@ -158,16 +160,16 @@ class StepResolution:
         page_rows = m.pool.page_rows
         if self.all_direct:
             table = self.page_table[:, index]  # [B, G, M]
-            safe = flat.clamp(min=0)
-            pidx = (safe // page_rows).clamp(max=table.shape[2] - 1)
+            pidx = (flat // page_rows).clamp_(0, table.shape[2] - 1)  # an unused entry (-1) reads page 0
             page = table.gather(2, pidx.unsqueeze(1).expand(-1, groups, -1))
-            loc = page * page_rows + (safe % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
-            valid = (flat >= 0).unsqueeze(1)
-            locations = torch.where(valid, loc, -1)  # [B, G, N]
+            loc = page * page_rows + (flat % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
+            locations = torch.where((flat >= 0).unsqueeze(1), loc, -1)  # [B, G, N]
             rows = self._gather_rows(locations)
+            per_source = locations.unbind(1)
+            per_rows = per_source if rows is locations else rows.unbind(1)
             for g, (source, slot) in enumerate(todo):
-                self._deferred.append((flat, locations[:, g]))
-                self._resolved[source] = _Resolved(positions, locations[:, g], None, slot, False, rows[:, g])
+                self._deferred.append((flat, per_source[g]))
+                self._resolved[source] = _Resolved(positions, per_source[g], None, slot, False, per_rows[g])
             self.resolver_calls += groups
             return
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
@@ -254,6 +256,9 @@ class StepResolution:
         self._flag(FLAG_BAD_POSITION, (raw >= self.lengths.view(-1, 1)).any(), ValueError)
         self._flag(FLAG_UNMAPPED, ((locs < 0) & valid).any(), RuntimeError)
         sizes = [f.shape[1] for f, _ in deferred]
+        if self.query_len == 1:  # one query per request: its selection's valid positions are distinct (a top-k)
+            self.counts.select(1, 0).add_(valid.sum(dim=1))
+            return
         if len(set(sizes)) == 1:  # one sort of every resolution's row: [B, R, N], unused entries (< 0) first
             ordered = torch.sort(raw.view(raw.shape[0], len(sizes), sizes[0]), dim=2).values
         else:  # positions of different resolutions kept distinct in one sort: resolution i adds i * 2^40
