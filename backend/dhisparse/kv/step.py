@@ -32,10 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from dhisparse.kv import kernel_step
-from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
+from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_ON_DEVICE, OPT_READY, RequestKV
 from dhisparse.kv.resolver import HotCacheOverflowError
 from dhisparse.kv.step_resolution import (
     _FLAG_MESSAGES,
@@ -78,7 +79,11 @@ def _history_direct(req: RequestKV) -> bool:
     if req.prompt_pages < req.tail_first:
         return False
     state = req.opt_state.numpy()[:, : req.tail_first]  # CPU state: numpy is cheaper than torch at this size
-    return bool(((state == OPT_READY) | (state == OPT_BACKING_UP)).all())
+    return bool(_READABLE[state].all())
+
+
+_READABLE = np.zeros(max(OPT_ON_DEVICE) + 1, dtype=bool)  # optional-page states a step reads directly
+_READABLE[[OPT_READY, OPT_BACKING_UP]] = True
 
 
 class StepKV(StepResolution):
@@ -96,8 +101,9 @@ class StepKV(StepResolution):
         self.stamp = stamp
         device = manager.device
         pool = manager.pool
-        self.starts = torch.tensor([r.length for r in requests], dtype=torch.int64, device=device)
-        self.lengths = self.starts + query_len
+        starts = [r.length for r in requests]
+        self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
+        self.lengths = torch.tensor([n + query_len for n in starts], dtype=torch.int64, device=device)
         self.max_length = max(r.length for r in requests) + query_len  # known on the host, no read
         sources = manager.layout.num_sources
         # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
@@ -138,12 +144,11 @@ class StepKV(StepResolution):
         write_pages = key_pages.gather(2, (new_pos // per_page).unsqueeze(1).expand(-1, key_pages.shape[1], -1))
         self._key_write = (write_pages.unbind(1), new_pos % per_page)  # per layer pages [B, Q]; offsets [B, Q]
         # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer.
-        nreq = len(requests)
-        self._report = torch.zeros(4 * nreq + len(_FLAG_MESSAGES), dtype=torch.int64, device=device)
-        self.counts = self._report[: 3 * nreq].view(nreq, 3)
-        self.staged = self._report[3 * nreq : 4 * nreq]  # rows copied into staging
-        self.flags = self._report[4 * nreq :]
-        self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)  # once for every layer of the step
+        # (One buffer per batch size, kept by the batch state and zeroed here: the previous step's report was read.)
+        self._report, self.counts, self.staged, self.flags = batch_state.report_buffer(len(requests),
+                                                                                       len(_FLAG_MESSAGES))
+        if manager.debug_checks:  # begin_step mapped every new row's tail page (its contract; "tail map" invariant)
+            self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)
         # Arena rows each source's write goes to ([S, B*Q] as one view per source; an unmapped row is flagged above).
         self._write_rows = self.new_rows.clamp(min=0).transpose(0, 1).reshape(sources, -1).unbind(0)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
@@ -252,6 +257,10 @@ class StepKV(StepResolution):
     def _entry(self, layer: int, positions: torch.Tensor) -> _Resolved:
         self._check_open()
         m = self._m
+        known = self._resolved.get(m.layout.source_of_layer[layer])
+        if known is not None and known.positions is positions:  # the same selection tensor, already checked
+            m.copies.wait_for_read(known.ticket)
+            return known
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
             raise ValueError(f"gather(layer {layer}): positions must be [{len(self.requests)}, X, K]")
         if positions.device != m.device or positions.dtype != torch.int64:
