@@ -28,6 +28,7 @@ def test_slots_follow_admission_and_release_with_steps_in_any_order(policy: str,
         m = _sized(m, max_batch_size=4, max_model_len=64)
         assert m.batch.nbytes == m.stats()["kv_batch_state_bytes"]
     allocated = m.batch.nbytes
+    m.compact_slots = False  # slots stay where admission put them (compaction: the test below)
     d = KVDriver(m, seed=3)
     rng = random.Random(5)
     for i in range(3):
@@ -77,6 +78,7 @@ def test_hot_cache_changes_land_in_the_slots_during_the_step(shuffle: bool) -> N
     rolled-back step restores it (slots it refilled emptied)."""
     layout = make_layout("deepseek")
     m = make_manager(layout, "hisparse", pool_bytes=1 << 20, hot_rows=4)
+    m.compact_slots = False  # shuffled: the step gathers its slots' rows and writes hot state back through them
     d = KVDriver(m, seed=2)
     for i in range(3):
         d.submit(f"r{i}", 13, 6)
@@ -112,3 +114,36 @@ def test_engine_allocates_the_batch_state_once_within_pool_plus_workspace_bound(
     llm.generate(random_prompts([40, 70, 25], 96, seed=4), SamplingParams(max_tokens=5, ignore_eos=True))
     assert kv.batch.nbytes == before and llm.stats()["kv_batch_state_bytes"] == before
     kv.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["resident", "hisparse", "adaptive"])
+def test_slots_are_compacted_so_steps_read_views(policy: str) -> None:
+    """After requests leave from the middle of the batch, or a step lists its requests in another order, begin_step
+    moves requests so the step's slots are consecutive in step order (a view, no gather); the moved rows, hot state
+    and key pages stay exact (the driver checks every gathered row) and the invariants hold."""
+    layout = make_layout("deepseek")
+    m = make_manager(layout, policy, pool_bytes=1 << 21, hot_rows=8)
+    d = KVDriver(m, seed=3)
+    for i in range(5):
+        assert d.submit(f"r{i}", 9 + 7 * i, 12)
+    d.step(d.steppable(), 1)
+    d.finish("r1")
+    d.finish("r3")
+    views = []
+    begin = m.begin_step
+
+    def recording_begin(ids, q):
+        step = begin(ids, q)
+        views.append(step._scatter is None)
+        return step
+    m.begin_step = recording_begin
+    for order in (["r0", "r2", "r4"], ["r4", "r0", "r2"], ["r2", "r4"]):
+        d.step(order, 1)
+        assert [m.requests[r].slot for r in order] == list(range(len(order)))
+        m.check_invariants()
+    assert views == [True, True, True] and m.stats()["kv_batch_slots_moved"] >= 4
+    assert d.submit("r5", 20, 6)  # the lowest free slot after the three running requests
+    assert m.requests["r5"].slot == 3
+    d.step(["r2", "r4", "r0", "r5"], 1)
+    m.check_invariants()
+    d.drain()

@@ -173,6 +173,37 @@ class BatchState:
         for req in live:
             self.bind(req)
 
+    def compact(self, order: list[RequestKV], live: list[RequestKV]) -> int:
+        """Give the requests of ``order`` (a step's requests, in step order) the slots ``0 .. len(order)-1`` and the
+        other ``live`` requests the next ones (in their current order), so the step reads its slots as one view
+        instead of a gather (slots scatter as requests come and go). Only the moved slots' rows are copied; every live
+        request's views are re-pointed. Between steps only. Returns the number of requests moved."""
+        others = sorted((r for r in live if all(r is not o for o in order)), key=lambda r: r.slot)
+        moves = [(req, new) for new, req in enumerate([*order, *others]) if req.slot != new]
+        if not moves:
+            return 0
+        old_slots = [req.slot for req, _ in moves]
+        new_slots = [new for _, new in moves]
+        src = torch.tensor(old_slots, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(new_slots, dtype=torch.int64, device=self.device)
+        for t in (self.page_table, self.host_pages, self.hot_pos, self.hot_stamp, self.hot_loc, self.staging_loc,
+                  self.key_pages):
+            t[dst] = t[src]  # the right side is gathered first: overlapping moves are safe
+        vacated = sorted(set(old_slots) - set(new_slots))
+        for slot in vacated:
+            self.clear(slot)
+        owner = {slot: self.owner[slot] for slot in old_slots}
+        for slot in vacated:
+            self.owner[slot] = None
+        for (req, new), old in zip(moves, old_slots):
+            self.owner[new] = owner[old]
+            req.slot = new
+        used = {r.slot for r in live}
+        self.free_slots = [slot for slot in range(self.num_slots) if slot not in used]
+        for req in live:
+            self.bind(req)
+        return len(moves)
+
     def bind(self, req: RequestKV) -> None:
         """Point the request's state tensors at views of its slot."""
         slot, pages = req.slot, req.footprint.num_pages

@@ -87,6 +87,9 @@ class KVManager:
         self.step: StepKV | None = None
         # persistent per-slot state (kv/batch_state.py); its key-page tables point at the pool's zero page when empty
         self.batch = BatchState(layout, config, self.device, self.pool.zero_page)
+        # Steps whose requests' slots are not consecutive (in step order) first compact them (BatchState.compact), so
+        # the step reads the batch state as views; False keeps the slots (the step gathers and scatters back).
+        self.compact_slots = True
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
@@ -317,6 +320,10 @@ class KVManager:
             for req in reqs:  # a failed copy: no step opens, so no page past a request's length stays mapped
                 unmap_rejected(req, req.length + query_len, self.config.page_rows)
             raise
+        if self.compact_slots:
+            slots = [r.slot for r in reqs]
+            if slots != list(range(slots[0], slots[0] + len(slots))):
+                self.counters["batch_slots_moved"] += self.batch.compact(reqs, list(self.requests.values()))
         self.fence.begin()
         self.sync.mark_step()
         self._steps += 1

@@ -26,6 +26,7 @@ ENGINE_COUNTERS = (
     "optional_pages_refilled",  # refill copies completed (pages made visible)
     "tail_pages_backed_up",  # tail pages (per source) whose host backup was issued
     "releases",  # release() of admitted requests
+    "batch_slots_moved",  # requests moved to other batch-state slots so a step's slots are consecutive
 )
 
 # Cumulative per-request counters.
