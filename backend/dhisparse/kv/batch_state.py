@@ -195,7 +195,7 @@ class BatchState:
         owner = {slot: self.owner[slot] for slot in old_slots}
         for slot in vacated:
             self.owner[slot] = None
-        for (req, new), old in zip(moves, old_slots):
+        for (req, new), old in zip(moves, old_slots, strict=True):
             self.owner[new] = owner[old]
             req.slot = new
         used = {r.slot for r in live}
