@@ -30,6 +30,7 @@ Usage: ``python scripts/gpu_check.py [--no-build] [--quick] [--out DIR] [--stack
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -169,15 +170,7 @@ def check_mapped_host(dev: torch.device) -> dict[str, Any]:
         copies = CopyEngine(dev, sync)
         arena = torch.zeros(index.numel(), row_dim, dtype=dtype, device=dev)
         src, dst = index.to(dev), torch.randperm(index.numel(), generator=g).to(dev)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                ticket = copies.issue("fetch", arena, dst, store, src)
-            torch_syncs = sum("synchroniz" in str(w.message) for w in caught)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        ticket, torch_syncs = _torch_syncs(functools.partial(copies.issue, "fetch", arena, dst, store, src), True)
         copies.wait(ticket)
         if not torch.equal(arena[dst].cpu(), dense[index]):
             bad.append(f"{dtype}: fetch through the copy engine differs")
@@ -211,22 +204,29 @@ def count_decode_reads(engine_dir: Path, prompts: list[list[int]], policy: str, 
     counted, torch_counted = [], []
     while engine.has_unfinished():
         before = engine.kv.sync.reads
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                engine.step()
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode("default")
+        _, syncs = _torch_syncs(engine.step, cuda)
         counted.append(engine.kv.sync.reads - before)
-        torch_counted.append(sum("synchroniz" in str(w.message) for w in caught))
+        torch_counted.append(syncs)
     stats = llm.stats()
     return {"policy": policy, "batch": len(prompts), "kv_reads_per_step": sorted(set(counted)),
             "torch_syncs_per_step": sorted(set(torch_counted)), "rows_host": stats.get("kv_rows_host"),
             "mapped_copies": engine.kv.copies.mapped_copies}
+
+
+def _torch_syncs(fn: Callable[[], Any], count: bool) -> tuple[Any, int]:
+    """``(fn(), host synchronisations torch reported while it ran)``: with ``count``, under CUDA sync-debug mode
+    "warn" (each synchronisation a warning, counted); without, 0."""
+    if not count:
+        return fn(), 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchroniz" in str(w.message) for w in caught)
 
 
 # --------------------------------------------------------------------------------------------- engine
@@ -237,19 +237,7 @@ def run_engine(engine_dir: Path, prompts: list[list[int]], max_tokens: int, coun
     llm = LLM(engine_dir, **options)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    syncs = 0
-    if count_syncs:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                outs = llm.generate(prompts, params)
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    else:
-        outs = llm.generate(prompts, params)
+    outs, syncs = _torch_syncs(lambda: llm.generate(prompts, params), count_syncs)
     stats = llm.stats()
     steps = stats.get("decode_steps", 0.0) + stats.get("verify_steps", 0.0)
     return {"tokens": [o.token_ids for o in outs], "seconds": time.perf_counter() - start,

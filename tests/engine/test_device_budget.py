@@ -8,22 +8,12 @@ exceed the arena and fixed state together. Paged keys change no token."""
 from __future__ import annotations
 
 import torch
+from memory_peak import peak_bytes
 from tiny_models import build_spec_engine, random_prompts
 
 from dhisparse import LLM, SamplingParams
 from dhisparse.engine.kv_factory import make_kv_manager
 from dhisparse.kv.batch_state import BatchState
-
-
-def _peak_bytes(fn) -> int:
-    """Peak of the bytes allocated (and not yet freed) while ``fn`` runs (torch's profiler, memory events)."""
-    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.function_events, key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
 
 
 def _old_key_slots_bytes(kv) -> int:
@@ -43,7 +33,7 @@ def test_kv_state_is_the_pool_plus_the_fixed_part_of_the_bound(tiny_engine) -> N
     bound = engine.workspace
     # Building the KV side allocates the arena and the fixed state, nothing else, and the bound counts the latter.
     made = []
-    built = _peak_bytes(lambda: made.append(make_kv_manager(engine.model.cfg, engine.cfg, engine.query_len)))
+    built = peak_bytes(lambda: made.append(make_kv_manager(engine.model.cfg, engine.cfg, engine.query_len)))
     assert made[0].batch.nbytes == kv.batch.nbytes == BatchState.size_bytes(kv.layout, kv.config)
     assert built <= pool + bound.kv_fixed_bytes, (built, pool, bound.kv_fixed_bytes)
     assert kv.pool.num_pages * kv.pool.page_bytes <= pool
@@ -64,7 +54,7 @@ def test_kv_state_is_the_pool_plus_the_fixed_part_of_the_bound(tiny_engine) -> N
     want = [o.token_ids for o in LLM(engine_dir, kv_policy="dense").generate(prompts, params)]
     llm.generate(random_prompts([20], 96, seed=1), SamplingParams(max_tokens=2, ignore_eos=True))  # host chunk
     got: list = []
-    peak = _peak_bytes(lambda: got.extend(o.token_ids for o in llm.generate(prompts, params)))
+    peak = peak_bytes(lambda: got.extend(o.token_ids for o in llm.generate(prompts, params)))
     assert got == want
     assert peak <= bound.total_bytes - bound.kv_fixed_bytes, (peak, bound.describe())
     assert llm.stats()["kv_admissions_waited"] >= 1  # the pool really bounded the batch
@@ -88,7 +78,7 @@ def test_speculative_step_stays_within_the_bound_and_the_ring_is_counted(tiny_ch
     want = [o.token_ids for o in LLM(engine_dir, kv_policy="dense").generate(prompts, params)]
     llm.generate(random_prompts([20], 96, seed=1), SamplingParams(max_tokens=2, ignore_eos=True))
     got: list = []
-    peak = _peak_bytes(lambda: got.extend(o.token_ids for o in llm.generate(prompts, params)))
+    peak = peak_bytes(lambda: got.extend(o.token_ids for o in llm.generate(prompts, params)))
     assert got == want
     assert llm.stats()["verify_steps"] > 0
     bound = engine.workspace

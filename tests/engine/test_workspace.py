@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from memory_peak import peak_bytes
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
@@ -17,18 +18,6 @@ from dhisparse.model import attention
 from dhisparse.model.weights import read_config
 
 TILE = 16
-
-
-def _peak_bytes(fn) -> int:
-    """Peak of the bytes allocated (and not yet freed) while ``fn`` runs, from torch's profiler with memory
-    profiling: each operator's own allocations at its start, frees as ``[memory]`` events, in time order."""
-    with torch.autograd.profiler.profile(profile_memory=True, use_kineto=False) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.function_events, key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
 
 
 def _llm(engine_dir, pool_bytes: int, chunk: int = 32) -> LLM:
@@ -48,11 +37,11 @@ def test_forward_allocations_stay_within_pool_plus_workspace_bound(tiny_engine, 
     assert llm.engine.streams_prefill  # hisparse: prompts stream into their host pages chunk by chunk
     for length in (64, 256):
         prompt = random_prompts([length], 96, seed=length)
-        peak = _peak_bytes(lambda p=prompt: llm.generate(p, params))
+        peak = peak_bytes(lambda p=prompt: llm.generate(p, params))
         assert peak <= pool + bound, f"context {length}: peak {peak} > pool {pool} + bound {bound}"
     # The same long request with the whole context scored at once (the untiled indexer) exceeds it.
     monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", 1 << 30)
-    untiled = _peak_bytes(lambda: llm.generate(random_prompts([256], 96, seed=256), params))
+    untiled = peak_bytes(lambda: llm.generate(random_prompts([256], 96, seed=256), params))
     assert untiled > pool + bound
 
 
@@ -85,10 +74,10 @@ def test_prefill_attention_tiled_over_queries_stays_within_the_bound(tiny_engine
     llm.generate(random_prompts([20], 96, seed=1), params)  # allocates the host store's chunk (host memory)
     outputs: dict[str, list[int]] = {}
     prompt = random_prompts([256], 96, seed=256)
-    peak = _peak_bytes(lambda: outputs.__setitem__("tiled", llm.generate(prompt, params)[0].token_ids))
+    peak = peak_bytes(lambda: outputs.__setitem__("tiled", llm.generate(prompt, params)[0].token_ids))
     assert peak <= pool + bound, f"peak {peak} > pool {pool} + bound {bound}"
     monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", 1 << 30)  # the indexer's keys stay tiled
-    untiled = _peak_bytes(lambda: outputs.__setitem__("untiled", llm.generate(prompt, params)[0].token_ids))
+    untiled = peak_bytes(lambda: outputs.__setitem__("untiled", llm.generate(prompt, params)[0].token_ids))
     assert untiled > pool + bound
     assert outputs["tiled"] == outputs["untiled"] and len(outputs["tiled"]) == 3
 
@@ -105,8 +94,8 @@ def test_streamed_prefill_holds_one_chunk_of_rows_on_the_device(tiny_engine, mon
     row_index = kv.history_host_rows("r")
     store = StreamedPrefillKV(kv.layout, kv.host.rows, row_index, chunk, model.dtype, model.device)
     got: list = []
-    streamed = _peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk, store=store)))
-    local = _peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk)))
+    streamed = peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk, store=store)))
+    local = peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk)))
     out, want = got
     assert out.rows is None and torch.equal(out.logits, want.logits)
     assert all(torch.equal(out.index_keys[i][:length], want.index_keys[i]) for i in want.index_keys)
