@@ -136,7 +136,7 @@ class LLMEngine:
             return spec_bytes
         sized = dataclasses.replace(cfg, pool_bytes=max(cfg.pool_bytes, cfg.reserve_bytes + 1))
         layout, kv_cfg = hierarchy_layout_config(self.model.cfg, sized, self.query_len, ring)
-        return kv_fixed_bytes(layout, kv_cfg) + spec_bytes
+        return kv_fixed_bytes(layout, kv_cfg, spec_bytes)
 
     # ------------------------------------------------------------------------------------------- requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

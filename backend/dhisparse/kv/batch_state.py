@@ -26,6 +26,8 @@ positions; the requests' views are re-pointed then (between steps only).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,29 +77,35 @@ class BatchState:
         """Key pages per indexer layer covering ``pages`` pages of positions."""
         return -(-pages * self.config.page_rows // self.keys_per_page) if self.keys_per_page else 0
 
+    def _shapes(self, slots: int, pages: int) -> dict[str, tuple[int, int, int]]:
+        """Shape of each state tensor (every one int64 ``[slots, ...]``) for ``pages`` pages per slot."""
+        s, hot = self.layout.num_sources, self.hot_rows
+        return {"page_table": (slots, s, pages), "host_pages": (slots, s, pages), "hot_pos": (slots, s, hot),
+                "hot_stamp": (slots, s, hot), "hot_loc": (slots, s, hot),
+                "staging_loc": (slots, self.staging_slots, self.staging_rows),
+                "key_pages": (slots, len(self.layout.indexer_layers), self.key_blocks_for(pages))}
+
+    def _empty(self) -> dict[str, int]:
+        """What a free slot holds in each state tensor."""
+        return {"page_table": -1, "host_pages": -1, "hot_pos": -1, "hot_stamp": 0, "hot_loc": -1, "staging_loc": 0,
+                "key_pages": self.zero_page}
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every state tensor (leading slot dimension)."""
+        return [getattr(self, name) for name in self._empty()]
+
     @classmethod
     def size_bytes(cls, layout: KVLayout, config: KVConfig) -> int:
         """Device bytes of the state a fixed-size configuration allocates (``max_batch_size``/``max_model_len``)."""
-        probe = cls.__new__(cls)
-        probe.layout, probe.config = layout, config
-        probe.keys_per_page = keys_per_page(layout, config.page_rows)
-        slots, pages = config.max_batch_size, probe.pages_for(config.max_model_len)
-        sources, hot, i64 = layout.num_sources, config.hot_rows_for(layout), 8
-        staging = max(1, layout.staging_slots) * config.staging_rows(layout)
-        return i64 * slots * (2 * sources * pages + 3 * sources * hot + staging
-                              + len(layout.indexer_layers) * probe.key_blocks_for(pages))
+        probe = cls(layout, dataclasses.replace(config, max_batch_size=0, max_model_len=0), torch.device("meta"))
+        shapes = probe._shapes(config.max_batch_size, probe.pages_for(config.max_model_len))
+        return sum(math.prod(shape) * 8 for shape in shapes.values())
 
     def _allocate(self, slots: int, pages: int) -> None:
-        s, dev, lay = self.layout.num_sources, self.device, self.layout
-        i64 = dict(dtype=torch.int64, device=dev)
-        self.page_table = torch.full((slots, s, pages), -1, **i64)
-        self.host_pages = torch.full((slots, s, pages), -1, **i64)
-        self.hot_pos = torch.full((slots, s, self.hot_rows), -1, **i64)
-        self.hot_stamp = torch.zeros((slots, s, self.hot_rows), **i64)
-        self.hot_loc = torch.full((slots, s, self.hot_rows), -1, **i64)
-        self.staging_loc = torch.zeros((slots, self.staging_slots, self.staging_rows), **i64)
-        self.key_pages = torch.full((slots, len(lay.indexer_layers), self.key_blocks_for(pages)), self.zero_page,
-                                    **i64)
+        empty = self._empty()
+        for name, shape in self._shapes(slots, pages).items():
+            setattr(self, name, torch.full(shape, empty[name], dtype=torch.int64, device=self.device))
 
     def report_buffer(self, requests: int, flags: int) -> tuple[torch.Tensor, ...]:
         """A step's report buffer for ``requests`` requests, zeroed: ``(buffer, counts [B, 3], staged [B], flags)``,
@@ -123,9 +131,7 @@ class BatchState:
     @property
     def nbytes(self) -> int:
         """Device bytes of the whole batch state."""
-        tensors = [self.page_table, self.host_pages, self.hot_pos, self.hot_stamp, self.hot_loc, self.staging_loc,
-                   self.key_pages]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     # ------------------------------------------------------------------------------------------ slots
     def acquire(self, owner: object, num_pages: int, live: list[RequestKV]) -> int:
@@ -151,23 +157,14 @@ class BatchState:
         self.free_slots.append(slot)
 
     def clear(self, slot: int) -> None:
-        self.page_table[slot] = -1
-        self.host_pages[slot] = -1
-        self.hot_pos[slot] = -1
-        self.hot_stamp[slot] = 0
-        self.hot_loc[slot] = -1
-        self.staging_loc[slot] = 0
-        self.key_pages[slot] = self.zero_page
+        for name, value in self._empty().items():
+            getattr(self, name)[slot] = value
 
     def _grow(self, slots: int, pages: int, live: list[RequestKV]) -> None:
-        old = (self.page_table, self.host_pages, self.hot_pos, self.hot_stamp, self.hot_loc, self.staging_loc,
-               self.key_pages)
-        n, m = self.num_slots, self.pages_per_slot
+        old, n = self.tensors, self.num_slots
         self._allocate(slots, pages)
-        self.page_table[:n, :, :m] = old[0]
-        self.host_pages[:n, :, :m] = old[1]
-        self.hot_pos[:n], self.hot_stamp[:n], self.hot_loc[:n], self.staging_loc[:n] = old[2:6]
-        self.key_pages[:n, :, : old[6].shape[2]] = old[6]
+        for new, before in zip(self.tensors, old, strict=True):  # every tensor is [slots, *, width]
+            new[:n, :, : before.shape[2]] = before
         self.free_slots += list(range(n, slots))
         self.owner += [None] * (slots - n)
         for req in live:
@@ -186,8 +183,7 @@ class BatchState:
         new_slots = [new for _, new in moves]
         src = torch.tensor(old_slots, dtype=torch.int64, device=self.device)
         dst = torch.tensor(new_slots, dtype=torch.int64, device=self.device)
-        for t in (self.page_table, self.host_pages, self.hot_pos, self.hot_stamp, self.hot_loc, self.staging_loc,
-                  self.key_pages):
+        for t in self.tensors:
             t[dst] = t[src]  # the right side is gathered first: overlapping moves are safe
         vacated = sorted(set(old_slots) - set(new_slots))
         for slot in vacated:

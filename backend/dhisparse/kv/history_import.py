@@ -81,15 +81,16 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
     pool.arena.index_copy_(0, dst.to(device), host.rows.index_select(0, src).to(device, pool.arena.dtype))
 
 
-def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], indexer_layers: frozenset[int],
-                   layout: KVLayout, pool: DevicePool, layer_index: dict[int, int]) -> None:
-    """Store the prompt's indexer keys ``{layer: [prompt_len, index_key_dim]}`` (every indexer layer) in the
-    request's key pages, in the layout's key format (``kv/index_keys.py``)."""
-    if set(index_keys) != set(indexer_layers):
-        raise ValueError(f"import: index_keys must cover layers {sorted(indexer_layers)}, got {sorted(index_keys)}")
+def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], layout: KVLayout, pool: DevicePool,
+                   layer_index: dict[int, int], what: str = "import") -> None:
+    """Check and store the prompt's indexer keys ``{layer: [prompt_len, index_key_dim]}`` (every indexer layer of
+    ``layer_index``) in the request's key pages, in the layout's key format (``kv/index_keys.py``). ``what`` names
+    the caller in the errors."""
+    if set(index_keys) != set(layer_index):
+        raise ValueError(f"{what}: index_keys must cover layers {sorted(layer_index)}, got {sorted(index_keys)}")
     for layer, keys in index_keys.items():
         if tuple(keys.shape) != (req.prompt_len, layout.index_key_dim):
-            raise ValueError(f"import: index_keys[{layer}] must be [{req.prompt_len}, {layout.index_key_dim}], "
+            raise ValueError(f"{what}: index_keys[{layer}] must be [{req.prompt_len}, {layout.index_key_dim}], "
                              f"got {list(keys.shape)}")
     for layer, keys in index_keys.items():
         write_request_keys(pool, layout, req, layer_index[layer], 0, keys)

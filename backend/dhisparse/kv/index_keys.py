@@ -49,15 +49,22 @@ def zero_request_keys(pool: DevicePool, req: RequestKV, start: int, stop: int) -
     pool.keys[pages, within.expand_as(pages)] = 0
 
 
+def gather_keys(pool: DevicePool, pages: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Stored keys ``[..., stop - start, key_storage_dim]`` of positions ``start .. stop-1`` from key-page tables
+    ``pages [..., KB]`` (one gather of the pages covering them; ``stop`` within ``KB`` pages)."""
+    per_page = pool.keys_per_page
+    first, blocks = start // per_page, -(-stop // per_page)
+    if first or blocks < pages.shape[-1]:
+        pages = pages[..., first:blocks]
+    keys = pool.keys[pages].flatten(-3, -2)  # [..., n * per_page, D]
+    lo, hi = start - first * per_page, stop - first * per_page
+    return keys if (lo, hi) == (0, keys.shape[-2]) else keys[..., lo:hi, :]
+
+
 def request_keys(pool: DevicePool, key_pages: torch.Tensor, stop: int) -> torch.Tensor:
     """Stored keys ``[L, stop, key_storage_dim]`` of positions ``0 .. stop-1`` of every indexer layer of one
-    request (``key_pages`` ``[L, KB]``; zero page past its blocks; for checks and tests)."""
-    blocks = -(-stop // pool.keys_per_page)
-    if blocks > key_pages.shape[1]:
-        pad = key_pages.new_full((key_pages.shape[0], blocks - key_pages.shape[1]), pool.zero_page)
-        key_pages = torch.cat([key_pages, pad], dim=1)
-    keys = pool.keys[key_pages[:, :blocks]]  # [L, blocks, per_page, D]
-    return keys.flatten(1, 2)[:, :stop]
+    request (``key_pages`` ``[L, KB]``; for checks and tests)."""
+    return gather_keys(pool, key_pages, 0, stop)
 
 
 class RequestKeys:
@@ -75,9 +82,7 @@ class RequestKeys:
 
     def read(self, layer: int, start: int, stop: int) -> torch.Tensor:
         """Keys ``[stop - start, index_key_dim]`` of positions ``start .. stop-1`` (one gather of their pages)."""
-        per_page = self.pool.keys_per_page
-        first, blocks = start // per_page, -(-stop // per_page)
-        if blocks > self.req.key_pages.shape[1]:
+        if -(-stop // self.pool.keys_per_page) > self.req.key_pages.shape[1]:
             raise ValueError(f"keys up to position {stop} are past the request's capacity")
-        keys = self.pool.keys[self.req.key_pages[self.layer_index[layer], first:blocks]].flatten(0, 1)
-        return self.layout.decode_keys(keys[start - first * per_page: stop - first * per_page])
+        return self.layout.decode_keys(gather_keys(self.pool, self.req.key_pages[self.layer_index[layer]], start,
+                                                   stop))

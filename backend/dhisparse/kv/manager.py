@@ -254,14 +254,7 @@ class KVManager:
         want = (self.layout.num_sources, req.prompt_len, self.layout.row_dim)
         if tuple(rows.shape) != want:
             raise ValueError(f"import_prompt: rows must be {list(want)}, got {list(rows.shape)}")
-        if set(index_keys) != set(self.indexer_layers):
-            raise ValueError(f"import_prompt: index_keys must cover layers {sorted(self.indexer_layers)}")
-        for layer, keys in index_keys.items():
-            if tuple(keys.shape) != (req.prompt_len, self.layout.index_key_dim):
-                raise ValueError(f"import_prompt: index_keys[{layer}] must be [{req.prompt_len}, "
-                                 f"{self.layout.index_key_dim}], got {list(keys.shape)}")
-        for layer, keys in index_keys.items():
-            key_store.write_request_keys(self.pool, self.layout, req, self.batch.layer_index[layer], 0, keys)
+        history_host.set_index_keys(req, index_keys, self.layout, self.pool, self.batch.layer_index, "import_prompt")
         rows = self.layout.encode(rows)
         residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
         req.imported = True
@@ -284,8 +277,7 @@ class KVManager:
         if req.imported:
             raise ValueError(f"request {request_id!r} was already imported")
         if index_keys is not None:
-            history_host.set_index_keys(req, index_keys, self.indexer_layers, self.layout, self.pool,
-                                        self.batch.layer_index)
+            history_host.set_index_keys(req, index_keys, self.layout, self.pool, self.batch.layer_index)
         history_host.import_host_rows(req, self.config.policy, self.pool, self.host)
         req.imported = True
         self.check_budget()

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from dhisparse.kv import kernel_step
+from dhisparse.kv.index_keys import gather_keys
 from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_ON_DEVICE, OPT_READY, RequestKV
 from dhisparse.kv.resolver import HotCacheOverflowError
 from dhisparse.kv.step_resolution import (
@@ -104,7 +105,7 @@ class StepKV(StepResolution):
         starts = [r.length for r in requests]
         self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
         self.lengths = torch.tensor([n + query_len for n in starts], dtype=torch.int64, device=device)
-        self.max_length = max(r.length for r in requests) + query_len  # known on the host, no read
+        self.max_length = max(starts) + query_len  # known on the host, no read
         sources = manager.layout.num_sources
         # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
         # (updated in place), else one gather per tensor (hot-cache changes are scattered back at each resolve).
@@ -221,24 +222,18 @@ class StepKV(StepResolution):
         # Keys are zero past each request's length (zero page past its blocks): one gather of the key pages covering
         # start .. stop-1, no per-request work.
         per_page = m.pool.keys_per_page
-        first, blocks = start // per_page, -(-stop // per_page)
-        if blocks > self._key_blocks:
+        if -(-stop // per_page) > self._key_blocks:
             raise ValueError(f"index_keys(layer {layer}): stop {stop} is past the batch state's "
                              f"{self._key_blocks * per_page} positions per slot")
-        pages = self._key_pages[self._batch.layer_index[layer]]  # [B, KB]
-        if first or blocks < self._key_blocks:
-            pages = pages[:, first:blocks]
-        keys = m.pool.keys[pages].flatten(1, 2)  # [B, n * per_page, D]
-        lo, hi = start - first * per_page, stop - first * per_page
-        return m.layout.decode_keys(keys if (lo, hi) == (0, keys.shape[1]) else keys[:, lo:hi])
+        return m.layout.decode_keys(gather_keys(m.pool, self._key_pages[self._batch.layer_index[layer]], start, stop))
 
     # ------------------------------------------------------------------------------------------ gather
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows ``[B, X, K, row_dim]`` of the selected ``positions`` ``[B, X, K]`` int64 (``-1`` = unused
         slot, zeros returned there). Every selected position must be below ``lengths[b]``."""
         entry = self._entry(layer, positions)
-        # Unused entries read the pool's zero row: one index, no mask.
-        return self._m.layout.decode(self._m.pool.arena[entry.rows]).view(*positions.shape, -1)
+        # Unused entries (-1) read the arena's last row, the pool's zero row: one index, no mask.
+        return self._m.layout.decode(self._m.pool.arena[entry.locations]).view(*positions.shape, -1)
 
     def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
                softmax_scale: float) -> torch.Tensor | None:

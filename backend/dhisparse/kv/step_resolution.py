@@ -34,11 +34,10 @@ if TYPE_CHECKING:
 @dataclass
 class _Resolved:
     positions: torch.Tensor  # [B, X, K] as passed by the model
-    locations: torch.Tensor  # [B, X*K] arena row of every entry (-1 where unused)
+    locations: torch.Tensor  # [B, X*K] arena row of every entry (-1 where unused: the arena's last row, zero)
     ticket: CopyTicket | None  # host→device copies of the misses (None under the resident policy)
     staging_slot: int
     staged: bool  # rows may live in the staging slot
-    rows: torch.Tensor  # [B, X*K] arena row to gather for every entry (the pool's zero row where unused)
 
 # Error flags accumulated on the device during a step (read once, see ``report``).
 FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
@@ -97,12 +96,13 @@ class StepResolution:
         m = self._m
         flat = positions.reshape(len(self.requests), -1)
         if self.all_direct and not m.debug_checks:
-            self._resolve_direct(source, positions, flat, slot)
+            self._resolve_direct([(source, slot)], positions)
             return
         # Once per resolution (the layers reusing it pass the same positions).
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
-        if self.all_direct:
-            self._resolve_direct_checked(source, positions, flat, slot)
+        if self.all_direct:  # debug_checks: the direct resolution's checks and counts at once
+            self._resolve_direct([(source, slot)], positions)
+            self._settle_deferred()
             return
         staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
         # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
@@ -113,8 +113,7 @@ class StepResolution:
             self.resolver_calls += 1
             if kticket is not None:
                 self._tickets.append(kticket)
-            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False,
-                                               self._gather_rows(kres.locations))
+            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False)
             return
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
                       self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
@@ -143,8 +142,7 @@ class StepResolution:
             dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
             ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
             self._tickets.append(ticket)
-        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged,
-                                           self._gather_rows(res.locations))
+        self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged)
 
     def _resolve_group(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
         """Resolve several sources selected by the same ``positions`` at once: the resolver takes the group's
@@ -159,18 +157,7 @@ class StepResolution:
         flat = positions.reshape(batch, -1)
         page_rows = m.pool.page_rows
         if self.all_direct:
-            table = self.page_table[:, index]  # [B, G, M]
-            pidx = (flat // page_rows).clamp_(0, table.shape[2] - 1)  # an unused entry (-1) reads page 0
-            page = table.gather(2, pidx.unsqueeze(1).expand(-1, groups, -1))
-            loc = page * page_rows + (flat % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
-            locations = torch.where((flat >= 0).unsqueeze(1), loc, -1)  # [B, G, N]
-            rows = self._gather_rows(locations)
-            per_source = locations.unbind(1)
-            per_rows = per_source if rows is locations else rows.unbind(1)
-            for g, (source, slot) in enumerate(todo):
-                self._deferred.append((flat, per_source[g]))
-                self._resolved[source] = _Resolved(positions, per_source[g], None, slot, False, per_rows[g])
-            self.resolver_calls += groups
+            self._resolve_direct(todo, positions)
             return
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
         self._snapshot_hot()
@@ -200,9 +187,8 @@ class StepResolution:
             for g in range(groups):
                 tickets[g] = m.copies.issue("fetch", m.pool.arena, dst[g], m.host.rows, src[g])
                 self._tickets.append(tickets[g])
-        rows = self._gather_rows(locations)
         for g, (source, slot) in enumerate(todo):
-            self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False, rows[g])
+            self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False)
 
     def _store_hot_sources(self, index: slice | torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
         """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""
@@ -213,35 +199,23 @@ class StepResolution:
             self._batch.hot_pos[slots, index] = hot_pos
             self._batch.hot_stamp[slots, index] = hot_stamp
 
-    def _gather_rows(self, locations: torch.Tensor) -> torch.Tensor:
-        """Arena rows to gather for ``locations`` (``-1`` where unused): the pool's zero row there. The zero row is
-        the arena's last row, so ``-1`` already indexes it (no operation)."""
-        pool = self._m.pool
-        if pool.zero_row == pool.arena.shape[0] - 1:
-            return locations
-        return torch.where(locations >= 0, locations, pool.zero_row)
-
-    def _resolve_direct(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
-        """Resolver step 1 alone, for a step whose every request has its whole history direct (decided on the
-        host at ``begin_step``): the same locations as :func:`resolve`, which would find every position direct
-        and leave the hot cache untouched. Its checks (position past the length, unmapped page) and its counts
-        are deferred to :meth:`report`, done once for every direct resolution of the step."""
+    def _resolve_direct(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
+        """Resolver step 1 alone for the sources of ``todo`` (``(source, staging slot)``, selected by the same
+        ``positions``), for a step whose every request has its whole history direct (decided on the host at
+        ``begin_step``): a page-table lookup giving the locations :func:`resolve` would, which would find every
+        position direct and leave the hot cache untouched. Its checks (position past the length, unmapped page) and
+        its counts are deferred to :meth:`report`, done once for every direct resolution of the step."""
         page_rows = self._m.pool.page_rows
-        table = self.page_table[:, source]
-        safe = flat.clamp(min=0)
-        page = table.gather(1, (safe // page_rows).clamp(max=table.shape[1] - 1))
-        loc = page * page_rows + safe % page_rows  # negative exactly where the page is unmapped (flagged)
-        valid = flat >= 0
-        locations = torch.where(valid, loc, -1)
-        rows = self._gather_rows(locations)
-        self._deferred.append((flat, locations))
-        self.resolver_calls += 1
-        self._resolved[source] = _Resolved(positions, locations, None, slot, False, rows)
-
-    def _resolve_direct_checked(self, source: int, positions: torch.Tensor, flat: torch.Tensor, slot: int) -> None:
-        """:meth:`_resolve_direct` with its checks and counts done at once (``debug_checks``)."""
-        self._resolve_direct(source, positions, flat, slot)
-        self._settle_deferred()
+        flat = positions.reshape(len(self.requests), -1)
+        table = self.page_table[:, _source_index([s for s, _ in todo], self._m.device)]  # [B, G, M]
+        pidx = (flat // page_rows).clamp_(0, table.shape[2] - 1)  # an unused entry (-1) reads page 0
+        page = table.gather(2, pidx.unsqueeze(1).expand(-1, len(todo), -1))
+        loc = page * page_rows + (flat % page_rows).unsqueeze(1)  # negative where unmapped (flagged)
+        locations = torch.where((flat >= 0).unsqueeze(1), loc, -1)  # [B, G, N]
+        for (source, slot), source_locations in zip(todo, locations.unbind(1), strict=True):
+            self._deferred.append((flat, source_locations))
+            self._resolved[source] = _Resolved(positions, source_locations, None, slot, False)
+        self.resolver_calls += len(todo)
 
     def _settle_deferred(self) -> None:
         """Check and count the direct resolutions so far, all in one set of operations: an unmapped page of a
