@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
+from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 
 ABI_VERSION = 2
 _STATUS_HOT_CACHE_TOO_SMALL = 1
@@ -122,16 +122,4 @@ def resolve(
         )
     if status != 0:
         raise ValueError(f"native resolver rejected its arguments (status {status})")
-    copy_rows, copy_cols = torch.nonzero(copy_position >= 0, as_tuple=True)
-    return Resolution(
-        locations=locations,
-        steps=steps,
-        hot_pos=new_pos,
-        hot_stamp=new_stamp,
-        copy_request=copy_rows,
-        copy_position=copy_position[copy_rows, copy_cols],
-        copy_slot=copy_slot[copy_rows, copy_cols],
-        copy_location=copy_location[copy_rows, copy_cols],
-        counts=summary[:, 3:6].to(torch.int64),
-        staged=torch.zeros(num_requests, dtype=torch.int64),  # the native port has no staging overflow (yet)
-    )
+    return from_padded(locations, steps, new_pos, new_stamp, copy_position, copy_slot, copy_location, summary)

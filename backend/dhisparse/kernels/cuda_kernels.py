@@ -15,11 +15,11 @@ import ctypes
 import torch
 
 from dhisparse.kernels import abi
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
+from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 
 RESOLVE_OUTPUTS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_position", "copy_slot", "copy_location",
                    "summary")
-SUMMARY_STATUS, SUMMARY_COUNTS = 0, slice(3, 6)
+SUMMARY_STATUS = 0
 
 
 class KernelLaunchError(RuntimeError):
@@ -88,13 +88,8 @@ class CudaKernels:
             raise HotCacheOverflowError(
                 f"request row {row}: the resolver kernel reports more misses than its hot cache of "
                 f"{hot_pos.shape[1]} slots can take; raise hot_rows (B)")
-        rows, cols = torch.nonzero(out["copy_position"] >= 0, as_tuple=True)
-        return Resolution(
-            locations=out["locations"], steps=out["steps"], hot_pos=out["hot_pos"], hot_stamp=out["hot_stamp"],
-            copy_request=rows, copy_position=out["copy_position"][rows, cols],
-            copy_slot=out["copy_slot"][rows, cols], copy_location=out["copy_location"][rows, cols],
-            counts=out["summary"][:, SUMMARY_COUNTS].to(torch.int64),
-        )
+        return from_padded(out["locations"], out["steps"], out["hot_pos"], out["hot_stamp"], out["copy_position"],
+                           out["copy_slot"], out["copy_location"], out["summary"])
 
     # ---------------------------------------------------------------------------------------- row copy
     def copy_rows(self, host_rows: torch.Tensor, device_rows: torch.Tensor, src_rows: torch.Tensor,

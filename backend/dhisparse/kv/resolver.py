@@ -115,6 +115,21 @@ class Resolution:
     overflow: torch.Tensor | None = None
 
 
+def from_padded(locations: torch.Tensor, steps: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
+                copy_position: torch.Tensor, copy_slot: torch.Tensor, copy_location: torch.Tensor,
+                summary: torch.Tensor) -> Resolution:
+    """A :class:`Resolution` from a native resolver's fixed-shape outputs (``dhisparse/resolver.h``: the CPU
+    library and the CUDA kernel): the padded ``[R, N]`` copy lists (``-1`` = none) compacted, counts from the
+    summary's columns 3..5. The native resolvers have no verification staging, so ``staged`` is zero."""
+    rows, cols = torch.nonzero(copy_position >= 0, as_tuple=True)
+    return Resolution(
+        locations=locations, steps=steps, hot_pos=hot_pos, hot_stamp=hot_stamp, copy_request=rows,
+        copy_position=copy_position[rows, cols], copy_slot=copy_slot[rows, cols],
+        copy_location=copy_location[rows, cols], counts=summary[:, 3:6].to(torch.int64),
+        staged=torch.zeros(locations.shape[0], dtype=torch.int64, device=locations.device),
+    )
+
+
 def resolve(
     positions: torch.Tensor,
     page_table: torch.Tensor,
