@@ -24,12 +24,13 @@
 Without a GPU it prints "nothing was run: no GPU" and exits 0. Every part records its own failure and the
 script goes on, so one run reports everything; the exit status is 1 if anything failed.
 
-Usage: ``python scripts/gpu_check.py [--no-build] [--quick] [--out DIR] [--stack-history 32768]``
+Usage: ``python scripts/gpu_check.py [--no-build] [--quick] [--out DIR] [--stack-history 32768] [--budget-s 420]``
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import subprocess
@@ -188,14 +189,14 @@ def check_mapped_host(dev: torch.device) -> dict[str, Any]:
     return out
 
 
-def count_decode_reads(engine_dir: Path, prompts: list[list[int]], policy: str, pool_bytes: int, device: str = "cuda"
-                       ) -> dict[str, Any]:
+def count_decode_reads(engine_dir: Path, prompts: list[list[int]], policy: str, pool_bytes: int, device: str = "cuda",
+                       dtype: str = "float32") -> dict[str, Any]:
     """Host reads per decode step on the torch path (every host fetch from the mapped store), as
     tests/engine/test_host_syncs.py counts them on CPU: the KV side's ``HostSync`` count and torch's sync debug
     count of each step after the first (the first step admits and prefills)."""
     from dhisparse import LLM, SamplingParams
 
-    llm = LLM(engine_dir, device=device, kernels="torch", kv_policy=policy, pool_bytes=pool_bytes)
+    llm = LLM(engine_dir, device=device, kernels="torch", kv_policy=policy, pool_bytes=pool_bytes, dtype=dtype)
     cuda = device == "cuda"
     engine = llm.engine
     for p in prompts:
@@ -208,14 +209,17 @@ def count_decode_reads(engine_dir: Path, prompts: list[list[int]], policy: str, 
         counted.append(engine.kv.sync.reads - before)
         torch_counted.append(syncs)
     stats = llm.stats()
-    return {"policy": policy, "batch": len(prompts), "kv_reads_per_step": sorted(set(counted)),
+    return {"policy": policy, "batch": len(prompts), "dtype": dtype, "kv_reads_per_step": sorted(set(counted)),
             "torch_syncs_per_step": sorted(set(torch_counted)), "rows_host": stats.get("kv_rows_host"),
             "mapped_copies": engine.kv.copies.mapped_copies}
 
 
+SYNC_SITES: collections.Counter[str] = collections.Counter()  # "file:line" of each counted synchronisation
+
+
 def _torch_syncs(fn: Callable[[], Any], count: bool) -> tuple[Any, int]:
     """``(fn(), host synchronisations torch reported while it ran)``: with ``count``, under CUDA sync-debug mode
-    "warn" (each synchronisation a warning, counted); without, 0."""
+    "warn" (each synchronisation a warning, counted, its Python call site added to ``SYNC_SITES``); without, 0."""
     if not count:
         return fn(), 0
     torch.cuda.synchronize()
@@ -226,7 +230,10 @@ def _torch_syncs(fn: Callable[[], Any], count: bool) -> tuple[Any, int]:
             out = fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return out, sum("synchroniz" in str(w.message) for w in caught)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    SYNC_SITES.update(f"{Path(w.filename).relative_to(ROOT) if w.filename.startswith(str(ROOT)) else w.filename}"
+                      f":{w.lineno}" for w in syncs)
+    return out, len(syncs)
 
 
 # --------------------------------------------------------------------------------------------- engine
@@ -331,8 +338,8 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> None:
     for t in mapped.get("mapped_gather_656B", []):
         lines.append(f"- gather of {t['rows']} rows of 656 bytes from host: {t['us']:.1f} µs ({t['gb_s']:.2f} GB/s)")
     for r in report.get("decode_reads", []):
-        lines.append(f"- decode steps, {r['policy']} batch {r['batch']} (torch path): KV host reads per step "
-                     f"{r['kv_reads_per_step']}, torch syncs per step {r['torch_syncs_per_step']}, host rows "
+        lines.append(f"- decode steps, {r['policy']} batch {r['batch']} {r.get('dtype')} (torch path): KV host reads "
+                     f"per step {r['kv_reads_per_step']}, torch syncs per step {r['torch_syncs_per_step']}, host rows "
                      f"{r['rows_host']}, mapped copies {r['mapped_copies']}")
     lines += ["", "## Engine end to end: GPU tokens vs the CPU run", "",
               "| model | policy | speculative | tokens | GPU kernels | host syncs / step (torch) "
@@ -346,21 +353,29 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> None:
                      f"{r.get('gpu_kernels', '–')} | {f(r, 'syncs_per_step')} | {f(r, 'kv_reads_per_step')} | "
                      f"{f(r, 'rows_host', '{:.0f}')} | "
                      f"{f(r, 'gpu_s')} | {f(r, 'cpu_s')} |")
+    for key, title in (("engine_sync_sites", "the demo engine, CUDA kernels, every configuration"),
+                       ("decode_sync_sites", "decode steps on the torch path"),):
+        if report.get(key):
+            lines += ["", f"Host synchronisations torch reported ({title}), by call site:", ""]
+            lines += [f"- `{site}`: {n}" for site, n in report[key].items()]
     (out_dir / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-build", action="store_true", help="use the existing build/native")
+    parser.add_argument("--no-bench", action="store_true", help="skip the microbenchmarks")
     parser.add_argument("--quick", action="store_true", help="fewer seeds and batches, demo model only")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "gpu_check")
     parser.add_argument("--stack-history", type=int, default=32768, help="history tokens of the GLM-5 stack")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
+                        help="seconds after start-up past which engine comparisons are skipped")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("nothing was run: no GPU (torch sees no CUDA device; the kernels only compile here)")
         return 0
     start = time.monotonic()
-    deadline = start + BUDGET_S
+    deadline = start + args.budget_s
     if not args.no_build:
         subprocess.run(["bash", str(ROOT / "scripts" / "setup_native.sh")], check=True)
     from dhisparse.kernels import abi
@@ -375,8 +390,10 @@ def main() -> int:
         print(f"gpu_check: {abi.cuda_library_path()} is not built", file=sys.stderr)
         return 1
     kernels = CudaKernels(lib, dev)
-    for part, fn in (("kernels", lambda: check_kernels(kernels, dev, 2 if args.quick else 6)),
-                     ("bench", lambda: bench_kernels(kernels, dev, BATCHES[:4] if args.quick else BATCHES))):
+    parts = [("kernels", lambda: check_kernels(kernels, dev, 2 if args.quick else 6))]
+    if not args.no_bench:
+        parts.append(("bench", lambda: bench_kernels(kernels, dev, BATCHES[:4] if args.quick else BATCHES)))
+    for part, fn in parts:
         try:
             report[part] = fn()
             print(f"{part}: {json.dumps(report[part], default=str)[:2000]}", flush=True)
@@ -387,7 +404,9 @@ def main() -> int:
         if report.get("kernels", {}).get(key):
             report["failures"].append(f"{key}: {report['kernels'][key]}")
     try:
+        SYNC_SITES.clear()
         report["mapped_host"] = check_mapped_host(dev)
+        report["mapped_host"]["sync_sites"] = dict(SYNC_SITES)
         print(f"mapped_host: {json.dumps(report['mapped_host'], default=str)[:2000]}", flush=True)
         if report["mapped_host"]["mapped_failures"]:
             report["failures"].append(f"mapped_host: {report['mapped_host']['mapped_failures']}")
@@ -404,19 +423,37 @@ def main() -> int:
             prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 517, 1029, 64)]
             configs = [{"kv_policy": p, "speculative": s, "pool_bytes": 8_000_000}
                        for p in ("resident", "hisparse", "adaptive") for s in (None, "dflash2", "dspark")]
+            SYNC_SITES.clear()
             report["engine"] += compare_runs("demo", demo, prompts, 24, configs, deadline)
+            report["engine_sync_sites"] = dict(SYNC_SITES.most_common())
+            print(f"demo engine sync sites (all configurations): {report['engine_sync_sites']}", flush=True)
             # The torch path: every host fetch gathers from the mapped host store.
             mapped = [{"kv_policy": p, "speculative": None, "pool_bytes": 2_000_000}
                       for p in ("hisparse", "adaptive")]
             report["engine"] += compare_runs("demo (torch, mapped host)", demo, prompts, 24, mapped, deadline,
                                              gpu_kernels="torch")
             # A 2 MB pool admits all four prompts and leaves adaptive short of device pages (it fetches too).
-            report["decode_reads"] = [count_decode_reads(demo, prompts[:n], p, 2_000_000)
-                                      for p, n in (("hisparse", 1), ("hisparse", 4), ("adaptive", 4))]
-            print(f"decode_reads: {report['decode_reads']}", flush=True)
-            report["failures"] += [f"decode reads {r}" for r in report["decode_reads"]
-                                   if r["kv_reads_per_step"] != [1] or not r["mapped_copies"]]
-            if not args.quick:
+            SYNC_SITES.clear()
+            try:
+                # float32 (the CPU comparison's dtype) and bfloat16 (torch._grouped_mm's CUDA kernel is for
+                # bfloat16; other dtypes take its per-group fallback, which reads the group offsets on the host).
+                report["decode_reads"] = [
+                    count_decode_reads(demo, prompts[:n], p, 2_000_000, dtype=d)
+                    for p, n, d in (("hisparse", 1, "float32"), ("hisparse", 4, "float32"),
+                                    ("adaptive", 4, "float32"), ("hisparse", 4, "bfloat16"))]
+                report["decode_sync_sites"] = dict(SYNC_SITES.most_common())
+                print(f"decode_reads: {report['decode_reads']}\ndecode sync sites: {report['decode_sync_sites']}",
+                      flush=True)
+                report["failures"] += [f"decode reads {r}" for r in report["decode_reads"]
+                                       if r["kv_reads_per_step"] != [1] or not r["mapped_copies"]]
+            except Exception as exc:
+                report["failures"].append(f"decode reads: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            report["seconds"] = time.monotonic() - start
+            write_report(args.out, report)  # a partial report, in case the GLM-5 stack outruns the caller's limit
+            if not args.quick and time.monotonic() > deadline:
+                report["engine"].append({"model": "glm5-stack", "status": "skipped: time budget"})
+            elif not args.quick:
                 stack = build_glm5_stack(work)
                 g = torch.Generator().manual_seed(6)
                 prompts = [torch.randint(0, 8192, (args.stack_history,), generator=g).tolist(),
