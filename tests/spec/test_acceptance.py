@@ -68,5 +68,5 @@ def test_ring_keeps_only_the_window():
     rows, mask = ring.context(slots)
     assert rows[0, :, 0].tolist() == [3.0, 10.0, 11.0]
     assert rows[1, :, 0].tolist() == [4.0, 20.0, 21.0] and mask[1].all()
-    assert ring.rows.shape == (2, 3, 1)  # never more than the window per request
-    assert ring.bytes_per_request == 3 * 4
+    assert ring.rows.shape == (2, 3 + 1, 1)  # the window per request, and one row that takes discarded writes
+    assert ring.bytes_per_request == (3 + 1) * 4  # what the slot holds on the device

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv.host_sync import HostSync
 from dhisparse.model.config import ModelConfig
 
@@ -25,7 +26,7 @@ class DenseStepKV:
 
     def __init__(self, stores: list[_Store], query_len: int, device: torch.device) -> None:
         self.stores, self.query_len = stores, query_len
-        self.lengths = torch.tensor([s.length + query_len for s in stores], dtype=torch.int64, device=device)
+        self.lengths = to_device([s.length + query_len for s in stores], torch.int64, device)
         self.max_length = max(s.length for s in stores) + query_len
 
     def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:

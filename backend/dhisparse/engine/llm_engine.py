@@ -20,6 +20,7 @@ from dhisparse.engine.prefill_stream import StreamedPrefillKV
 from dhisparse.engine.request import Request, RequestUpdate, Status
 from dhisparse.engine.workspace import auto_pool_bytes, kv_fixed_bytes, workspace_bound
 from dhisparse.errors import ConfigError, EngineDeadError, InvalidRequestError
+from dhisparse.host_values import to_device
 from dhisparse.kv.copies import CopyError
 from dhisparse.kv.policies import policy_named
 from dhisparse.model.model import DSAModel
@@ -58,11 +59,11 @@ class BatchSampling(NamedTuple):
             params, [(r.prompt_token_ids, r.output_token_ids) for r in batch], [r.token_counts for r in batch],
             eos_token_ids, vocab, device) if any(p.processes_logits for p in params) else None
         return cls(
-            torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
-            torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
-            torch.tensor([r.seed for r in batch], dtype=torch.int64, device=device),
-            torch.tensor([len(r.output_token_ids) for r in batch], dtype=torch.int64, device=device),
+            to_device([p.temperature for p in params], torch.float64, device),
+            to_device([p.top_k for p in params], torch.int64, device),
+            to_device([p.top_p for p in params], torch.float64, device),
+            to_device([r.seed for r in batch], torch.int64, device),
+            to_device([len(r.output_token_ids) for r in batch], torch.int64, device),
             processor,
         )
 
@@ -344,8 +345,8 @@ class LLMEngine:
             return
         batch = self.running
         dev = self.model.device
-        ids = torch.tensor([[r.last_token] for r in batch], dtype=torch.int64, device=dev)
-        positions = torch.tensor([[r.num_computed] for r in batch], dtype=torch.int64, device=dev)
+        ids = to_device([[r.last_token] for r in batch], torch.int64, dev)
+        positions = to_device([[r.num_computed] for r in batch], torch.int64, dev)
         step_kv = self._faulty(self.kv.begin_step([r.request_id for r in batch], 1), "decode_forward")
         out = self.model.forward(ids, positions, step_kv)
         sampling = self._batch_sampling(batch)
@@ -364,8 +365,8 @@ class LLMEngine:
         """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance."""
         spec, batch, dev = self.spec, self.running, self.model.device
         assert spec is not None
-        slots = torch.tensor([r.spec_state for r in batch], dtype=torch.int64, device=dev)
-        last = torch.tensor([r.last_token for r in batch], dtype=torch.int64, device=dev)
+        slots = to_device([r.spec_state for r in batch], torch.int64, dev)
+        last = to_device([r.last_token for r in batch], torch.int64, dev)
         sampling = self._batch_sampling(batch)
         self.faults.hit("draft_propose")
         draft, q_draft, lengths, confidence = spec.propose(slots, last, len(batch), sampling.temperature,
@@ -375,7 +376,7 @@ class LLMEngine:
         q_len = spec.gamma + 1 if confidence is None else self._read(lengths.max())[0][0] + 1
         draft, q_draft = draft[:, : q_len - 1], q_draft[:, : q_len - 1]
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
-        base = torch.tensor([r.num_computed for r in batch], dtype=torch.int64, device=dev)
+        base = to_device([r.num_computed for r in batch], torch.int64, dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
         step_kv = self.kv.begin_step([r.request_id for r in batch], q_len)
         step_kv = self._faulty(step_kv, "verify_forward")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv.config import KVLayout
 from dhisparse.kv.host_store import ChunkedRows
 from dhisparse.kv.index_keys import RequestKeys
@@ -61,7 +62,7 @@ class StreamedPrefillKV:
             raise ValueError(f"a prefill chunk of {query_len} tokens exceeds chunk_tokens={self.buffer.shape[1]}")
         self.query_len = query_len
         self.max_length = self.length + query_len
-        self.lengths = torch.tensor([self.max_length], dtype=torch.int64, device=self.buffer.device)
+        self.lengths = to_device([self.max_length], torch.int64, self.buffer.device)
         return self
 
     def end(self) -> None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv.config import KVConfig, KVLayout
 from dhisparse.kv.device_pool import keys_per_page
 
@@ -181,8 +182,8 @@ class BatchState:
             return 0
         old_slots = [req.slot for req, _ in moves]
         new_slots = [new for _, new in moves]
-        src = torch.tensor(old_slots, dtype=torch.int64, device=self.device)
-        dst = torch.tensor(new_slots, dtype=torch.int64, device=self.device)
+        src = to_device(old_slots, torch.int64, self.device)
+        dst = to_device(new_slots, torch.int64, self.device)
         for t in self.tensors:
             t[dst] = t[src]  # the right side is gathered first: overlapping moves are safe
         vacated = sorted(set(old_slots) - set(new_slots))

@@ -6,6 +6,7 @@ import heapq
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv.config import ConfigError, KVConfig, KVLayout
 
 
@@ -148,6 +149,6 @@ class DevicePool:
 
     def page_rows_of(self, pages: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
         """Arena row indices of whole pages: ``[len(pages) * page_rows]`` int64, page-major."""
-        pages = pages.to(device or self.arena.device, torch.int64)
+        pages = to_device(pages, torch.int64, device or self.arena.device)
         offsets = torch.arange(self.page_rows, device=pages.device)
         return (pages.unsqueeze(1) * self.page_rows + offsets).reshape(-1)

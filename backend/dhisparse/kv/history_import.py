@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv.config import KVLayout
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_VALID, HostStore
@@ -54,10 +55,10 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
     req.tail_first = complete
     if complete * page_rows < length:
         pos = torch.arange(complete * page_rows, length)
-        req.page_table[:, complete] = req.tail_ring[:, complete % req.tail_pages].to(device)
+        req.page_table[:, complete] = to_device(req.tail_ring[:, complete % req.tail_pages], None, device)
         dst = req.tail_ring[:, (pos // page_rows) % req.tail_pages] * page_rows + pos % page_rows
         rows = host.rows.index_select(0, rows_at[:, pos].reshape(-1))
-        pool.arena.index_copy_(0, dst.reshape(-1).to(device), rows.to(device, pool.arena.dtype))
+        pool.arena.index_copy_(0, to_device(dst.reshape(-1), None, device), to_device(rows, pool.arena.dtype, device))
     if policy != "adaptive" or req.prompt_pages == 0:
         return
 
@@ -74,11 +75,12 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
     page_of[order[ks, ki]] = pages  # page-major assignment, as in the co-located import
     req.opt_page[ks, ki] = page_of
     req.opt_state[ks, ki] = OPT_READY
-    req.page_table[ks.to(device), ki.to(device)] = page_of.to(device)
+    req.page_table[to_device(ks, None, device), to_device(ki, None, device)] = to_device(page_of, None, device)
     within = torch.arange(page_rows)
     src = (req.host_pages[ks, ki].unsqueeze(1) * page_rows + within).reshape(-1)
     dst = (page_of.unsqueeze(1) * page_rows + within).reshape(-1)
-    pool.arena.index_copy_(0, dst.to(device), host.rows.index_select(0, src).to(device, pool.arena.dtype))
+    pool.arena.index_copy_(0, to_device(dst, None, device),
+                           to_device(host.rows.index_select(0, src), pool.arena.dtype, device))
 
 
 def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], layout: KVLayout, pool: DevicePool,

@@ -46,7 +46,7 @@ def zero_request_keys(pool: DevicePool, req: RequestKV, start: int, stop: int) -
     positions = torch.arange(start, stop, device=pool.arena.device)
     block, within = block_index(positions, pool.keys_per_page)
     pages = req.key_pages[:, block]  # [L, n]
-    pool.keys[pages, within.expand_as(pages)] = 0
+    pool.keys.index_put_((pages, within.expand_as(pages)), pool.keys.new_zeros(()))  # no host value to copy
 
 
 def gather_keys(pool: DevicePool, pages: torch.Tensor, start: int, stop: int) -> torch.Tensor:

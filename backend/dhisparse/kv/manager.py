@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv import history_import as history_host
 from dhisparse.kv import index_keys as key_store
 from dhisparse.kv import residency
@@ -203,7 +204,7 @@ class KVManager:
         indexers = len(layout.indexer_layers)
         key_pages = self.pool.allocate(indexers * fp.key_blocks)  # the keys' pages (kv/index_keys.py), zeroed
         key_store.zero_pages(self.pool, key_pages)
-        staging_loc = fp.staging_locations(cfg.page_rows, staging_pages.to(dev))
+        staging_loc = fp.staging_locations(cfg.page_rows, to_device(staging_pages, None, dev))
         host_pages = None
         if self.policy.uses_host:
             taken = self.host.allocate(sources * fp.num_pages)
@@ -227,11 +228,11 @@ class KVManager:
             staging_pages=staging_pages,
         )
         self.batch.bind(req)  # the state tensors are views of the slot (free slots are empty)
-        self.batch.hot_loc[slot] = hot_loc.to(dev)
+        self.batch.hot_loc[slot] = to_device(hot_loc, None, dev)
         self.batch.staging_loc[slot] = staging_loc
-        self.batch.key_pages[slot, :, : fp.key_blocks] = key_pages.view(indexers, fp.key_blocks).to(dev)
+        self.batch.key_pages[slot, :, : fp.key_blocks] = to_device(key_pages.view(indexers, fp.key_blocks), None, dev)
         if host_pages is not None:
-            self.batch.host_pages[slot, :, : fp.num_pages] = host_pages.to(dev)
+            self.batch.host_pages[slot, :, : fp.num_pages] = to_device(host_pages, None, dev)
         self._admissions += 1
         self.requests[request_id] = req
         self.counters["admissions"] += 1

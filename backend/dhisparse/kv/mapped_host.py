@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dhisparse.host_values import to_device
+
 
 @dataclass
 class MappedRows:
@@ -153,4 +155,4 @@ def map_chunks(chunks: list[torch.Tensor], chunk_rows: int, device: torch.device
     if raw.data_ptr() != low:
         return None
     span = raw.view(dtype).view(-1, row_dim)
-    return MappedRows(span, first_row.to(device), chunk_rows, allocated, owners)
+    return MappedRows(span, to_device(first_row, None, device), chunk_rows, allocated, owners)

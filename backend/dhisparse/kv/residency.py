@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv.copies import CopyEngine, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID, HostStore
@@ -56,10 +57,11 @@ def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: KVPolicy, poo
     if first_tail_pos < length:
         pos = torch.arange(first_tail_pos, length)
         pages = torch.arange(req.tail_first, -(-length // page_rows))
-        req.page_table[:, pages.to(device)] = req.tail_ring[:, pages % req.tail_pages].to(device)
+        tail_pages = to_device(req.tail_ring[:, pages % req.tail_pages], None, device)
+        req.page_table[:, to_device(pages, None, device)] = tail_pages
         dst = req.tail_ring[:, (pos // page_rows) % req.tail_pages] * page_rows + pos % page_rows
-        pool.arena.index_copy_(0, dst.reshape(-1).to(device), flat[(src_base + pos).reshape(-1).to(flat.device)]
-                               .to(device))
+        rows = flat[to_device((src_base + pos).reshape(-1), None, flat.device)]
+        pool.arena.index_copy_(0, to_device(dst.reshape(-1), None, device), to_device(rows, None, device))
     if not policy.uses_host:
         return
 
@@ -171,7 +173,7 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
     def done() -> None:
         if int(req.opt_state[s, i]) == OPT_REFILLING:
             req.opt_state[s, i] = OPT_READY
-            req.page_table[s, i] = torch.tensor(int(page[0]), device=device)
+            req.page_table[s, i] = to_device(page[0], torch.int64, device)
             req.add_stat("optional_pages_refilled", 1)
         else:  # reclaimed while in flight
             req.opt_state[s, i] = OPT_RETIRED

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv import kernel_step
 from dhisparse.kv.index_keys import gather_keys
 from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_ON_DEVICE, OPT_READY, RequestKV
@@ -103,8 +104,8 @@ class StepKV(StepResolution):
         device = manager.device
         pool = manager.pool
         starts = [r.length for r in requests]
-        self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
-        self.lengths = torch.tensor([n + query_len for n in starts], dtype=torch.int64, device=device)
+        self.starts = to_device(starts, torch.int64, device)
+        self.lengths = to_device([n + query_len for n in starts], torch.int64, device)
         self.max_length = max(starts) + query_len  # known on the host, no read
         sources = manager.layout.num_sources
         # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
@@ -117,7 +118,7 @@ class StepKV(StepResolution):
             rows: slice | torch.Tensor = slice(slots[0], slots[0] + len(slots))
             self._scatter: torch.Tensor | None = None
         else:
-            rows = torch.tensor(slots, dtype=torch.int64, device=device)
+            rows = to_device(slots, torch.int64, device)
             self._scatter = rows
         self._rows = rows
         # The page table is the one snapshot a step takes (one copy of its rows, up to the widest request): a reclaim

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv import kernel_step
 from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.resolver import HotCacheOverflowError, resolve
@@ -61,7 +62,7 @@ def _source_index(sources: list[int], device: torch.device) -> slice | torch.Ten
     key = (tuple(sources), device)
     index = _SOURCE_INDEX.get(key)
     if index is None:
-        index = _SOURCE_INDEX[key] = torch.tensor(sources, dtype=torch.int64, device=device)
+        index = _SOURCE_INDEX[key] = to_device(sources, torch.int64, device)
     return index
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kv.copies import CopyEngine, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID, HostStore
@@ -53,7 +54,7 @@ def map_tail_pages(req: RequestKV, last_position: int, page_rows: int, copies: C
                 raise RuntimeError(f"tail page {before} of {req.request_id} has no backup to wait for")
         slot = i % ring
         fence.wait(int(req.ring_free_epoch[slot]))
-        req.page_table[:, i] = req.tail_ring[:, slot].to(req.page_table.device)
+        req.page_table[:, i] = to_device(req.tail_ring[:, slot], None, req.page_table.device)
 
 
 def back_up_complete_pages(req: RequestKV, pool: DevicePool, host: HostStore, copies: CopyEngine,

@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from dhisparse.host_values import to_device
+
 
 class StepKV(Protocol):
     lengths: torch.Tensor
@@ -67,7 +69,7 @@ class LocalKV:
         """Start a forward over the next ``query_len`` tokens (B = 1)."""
         self.query_len = query_len
         self.max_length = self.length + query_len
-        self.lengths = torch.tensor([self.length + query_len], dtype=torch.int64, device=self.rows.device)
+        self.lengths = to_device([self.length + query_len], torch.int64, self.rows.device)
         return self
 
     def end(self) -> None:

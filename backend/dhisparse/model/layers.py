@@ -92,7 +92,10 @@ class MoE:
         n, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignment indices, grouped by expert
-        offs = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+        # Group ends: assignments to experts <= e, searched in the sorted ids (bincount would read its size on
+        # the host).
+        experts = torch.arange(self.num_experts, device=flat.device, dtype=flat.dtype)
+        offs = torch.searchsorted(flat.index_select(0, order), experts, right=True).to(torch.int32)
         xs = x2d.index_select(0, order // k)
         gate = torch._grouped_mm(xs, self.experts_gate.transpose(1, 2), offs=offs)
         up = torch._grouped_mm(xs, self.experts_up.transpose(1, 2), offs=offs)

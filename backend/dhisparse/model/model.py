@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dhisparse.host_values import to_device
 from dhisparse.model.attention import IndexedMLA
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import LocalKV, PrefillKV, StepKV
@@ -126,7 +127,7 @@ class DSAModel:
         not change results (each chunk's queries see every earlier row). ``on_chunk(start)`` is called before each
         chunk's forward (the engine's fault injection). ``store`` replaces the default ``LocalKV`` of the whole
         prompt (the engine streams rows into the KV hierarchy's host pages: ``engine/prefill_stream.py``)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).view(-1)
+        ids = to_device(token_ids, torch.int64, self.device).view(-1)
         total = ids.numel()
         cfg = self.cfg
         local = store if store is not None else LocalKV(

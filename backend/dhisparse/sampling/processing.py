@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.sampling.params import SamplingParams
 
 
@@ -29,21 +30,21 @@ def _bias_vector(logit_bias: tuple[tuple[int, float], ...], vocab: int, device: 
     """Dense ``[V]`` float32 bias of ``(token id, bias)`` pairs (cached: a request's bias is the same every step)."""
     bias = torch.zeros(vocab, dtype=torch.float32, device=device)
     if logit_bias:
-        ids = torch.tensor([t for t, _ in logit_bias], dtype=torch.int64, device=device)
-        bias.index_add_(0, ids, torch.tensor([b for _, b in logit_bias], dtype=torch.float32, device=device))
+        ids = to_device([t for t, _ in logit_bias], torch.int64, device)
+        bias.index_add_(0, ids, to_device([b for _, b in logit_bias], torch.float32, device))
     return bias
 
 
 def initial_counts(prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Token counts ``[V]`` (float32) of a prompt, to which generated tokens are added (``add_counts``)."""
-    ids = torch.as_tensor(list(prompt), dtype=torch.int64, device=device)
+    ids = to_device(list(prompt), torch.int64, device)
     return torch.bincount(ids, minlength=vocab).to(torch.float32)
 
 
 def add_counts(counts: torch.Tensor, tokens: Sequence[int]) -> None:
     """Count ``tokens`` into ``counts [V]`` in place."""
     if tokens:
-        ids = torch.as_tensor(list(tokens), dtype=torch.int64, device=counts.device)
+        ids = to_device(list(tokens), torch.int64, counts.device)
         counts.index_add_(0, ids, torch.ones(len(tokens), dtype=counts.dtype, device=counts.device))
 
 
@@ -101,8 +102,8 @@ class LogitsProcessor:
             prefix = [[[-1] * (w - len(word) + 1) + list(word[:-1]) for word in p.bad_words]
                       + [[-1] * w] * (k - len(p.bad_words)) for p in chosen]
             last = [[word[-1] for word in p.bad_words] + [-1] * (k - len(p.bad_words)) for p in chosen]
-            bad_prefix = torch.tensor(prefix, dtype=torch.int64, device=device).view(len(rows), k, w)
-            bad_last = torch.tensor(last, dtype=torch.int64, device=device)
+            bad_prefix = to_device(prefix, torch.int64, device).view(len(rows), k, w)
+            bad_last = to_device(last, torch.int64, device)
             tails = []
             for i in rows:
                 prompt, output = sequences[i]
@@ -111,22 +112,21 @@ class LogitsProcessor:
                 if need > 0:
                     recent = list(prompt[max(0, len(prompt) - need):]) + recent
                 tails.append([-1] * (w - len(recent)) + recent)
-            tail = torch.tensor(tails, dtype=torch.int64, device=device).view(len(rows), w)
+            tail = to_device(tails, torch.int64, device).view(len(rows), w)
         stop_ids = None
         if any(p.min_tokens > 0 for p in chosen):
             stops = [sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))) for p in chosen]
             width = max(len(s) for s in stops)
-            stop_ids = torch.tensor([s + [vocab] * (width - len(s)) for s in stops], dtype=torch.int64,
-                                    device=device).view(len(rows), width)
-        f64 = dict(dtype=torch.float64, device=device)  # cast to the logits' dtype as a Python scalar would be
+            stop_ids = to_device([s + [vocab] * (width - len(s)) for s in stops], torch.int64,
+                                 device).view(len(rows), width)
         return cls(
-            rows=torch.tensor(rows, dtype=torch.int64, device=device), vocab=vocab, counts=row_counts,
-            repetition=torch.tensor([p.repetition_penalty for p in chosen], **f64),
-            presence=torch.tensor([p.presence_penalty for p in chosen], **f64),
-            frequency=torch.tensor([p.frequency_penalty for p in chosen], **f64),
+            rows=to_device(rows, torch.int64, device), vocab=vocab, counts=row_counts,
+            repetition=to_device([p.repetition_penalty for p in chosen], torch.float64, device),
+            presence=to_device([p.presence_penalty for p in chosen], torch.float64, device),
+            frequency=to_device([p.frequency_penalty for p in chosen], torch.float64, device),
             bias=bias, bad_prefix=bad_prefix, bad_last=bad_last, tail=tail, stop_ids=stop_ids,
-            min_tokens=torch.tensor([p.min_tokens for p in chosen], dtype=torch.int64, device=device),
-            generated=torch.tensor([len(sequences[i][1]) for i in rows], dtype=torch.int64, device=device),
+            min_tokens=to_device([p.min_tokens for p in chosen], torch.int64, device),
+            generated=to_device([len(sequences[i][1]) for i in rows], torch.int64, device),
         )
 
     def apply(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:

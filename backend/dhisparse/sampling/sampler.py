@@ -14,9 +14,9 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     def shr(v: torch.Tensor, k: int) -> torch.Tensor:
         return (v >> k) & ((1 << (64 - k)) - 1)
 
-    x = x + torch.tensor(0x9E3779B97F4A7C15 - (1 << 64), dtype=torch.int64, device=x.device)
-    x = (x ^ shr(x, 30)) * torch.tensor(0xBF58476D1CE4E5B9 - (1 << 64), dtype=torch.int64, device=x.device)
-    x = (x ^ shr(x, 27)) * torch.tensor(0x94D049BB133111EB - (1 << 64), dtype=torch.int64, device=x.device)
+    x = x + (0x9E3779B97F4A7C15 - (1 << 64))
+    x = (x ^ shr(x, 30)) * (0xBF58476D1CE4E5B9 - (1 << 64))
+    x = (x ^ shr(x, 27)) * (0x94D049BB133111EB - (1 << 64))
     return x ^ shr(x, 31)
 
 

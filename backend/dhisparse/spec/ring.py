@@ -15,22 +15,24 @@ class DraftRing:
 
     def __init__(self, slots: int, window: int, row_values: int, dtype: torch.dtype, device: torch.device) -> None:
         self.window, self.row_values = window, row_values
-        self.rows = torch.zeros(slots, window, row_values, dtype=dtype, device=device)
+        # One row past the window per slot takes the writes of rows an append does not keep, so an append is
+        # one fixed-shape indexed write (no boolean selection, which reads its count on the host).
+        self.rows = torch.zeros(slots, window + 1, row_values, dtype=dtype, device=device)
         self.count = torch.zeros(slots, dtype=torch.int64, device=device)  # positions written so far (≤ ∞)
         self.free = list(range(slots))
 
     @property
     def bytes_per_request(self) -> int:
-        return self.window * self.row_values * self.rows.element_size()
+        return self.rows[0].numel() * self.rows.element_size()  # the window and the discard row
 
     def allocate(self) -> int:
         slot = self.free.pop()
-        self.count[slot] = 0
+        self.count[slot].zero_()
         return slot
 
     def release(self, slot: int) -> None:
-        self.rows[slot] = 0
-        self.count[slot] = 0
+        self.rows[slot].zero_()
+        self.count[slot].zero_()
         self.free.append(slot)
 
     def append(self, slots: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
@@ -42,8 +44,8 @@ class DraftRing:
         # Only the last `window` kept rows of a request can survive; earlier ones would be overwritten anyway.
         keep &= offsets.unsqueeze(0) >= (valid.unsqueeze(1) - self.window)
         positions = self.count[slots].unsqueeze(1) + offsets  # [B, N]
-        b_idx = slots.unsqueeze(1).expand(-1, n)[keep]
-        self.rows[b_idx, positions[keep] % self.window] = rows[keep].to(self.rows.dtype)
+        column = torch.where(keep, positions % self.window, self.window)  # discarded rows go past the window
+        self.rows.index_put_((slots.unsqueeze(1).expand(-1, n), column), rows.to(self.rows.dtype))
         self.count[slots] += valid
 
     def context(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dhisparse.errors import ConfigError
+from dhisparse.host_values import to_device
 from dhisparse.model.config import ModelConfig
 from dhisparse.sampling.sampler import sample_from, uniform
 from dhisparse.spec.drafters import DFlash2Drafter, DSparkDrafter, confident_prefix_length, load_drafter
@@ -70,8 +71,8 @@ class Speculator:
         """Allocate a ring for a new request and fill it with its prompt's last ``window`` positions."""
         slot = self.ring.allocate()
         tail = prompt_features[-self.ring.window:].unsqueeze(0)
-        self.ring.append(torch.tensor([slot], device=self.device), self._context_rows(tail),
-                         torch.tensor([tail.shape[1]], device=self.device))
+        self.ring.append(to_device([slot], torch.int64, self.device), self._context_rows(tail),
+                         to_device([tail.shape[1]], torch.int64, self.device))
         return slot
 
     def release(self, slot: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.model.deepseek_v4.config import CSA, DeepseekV4Config
 
 Key = tuple[int, str]
@@ -94,7 +95,7 @@ class V4StepKV:
 
     def __init__(self, stores: list[V4RequestKV], query_len: int, device: torch.device) -> None:
         self.stores, self.query_len, self.device = stores, query_len, device
-        self.starts = torch.tensor([s.length for s in stores], dtype=torch.int64, device=device)
+        self.starts = to_device([s.length for s in stores], torch.int64, device)
         self.lengths = self.starts + query_len
         self._window: dict[int, torch.Tensor] = {}
         self._pending: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dhisparse.host_values import to_device
 from dhisparse.model.deepseek_v4.attention import V4Attention
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
 from dhisparse.model.deepseek_v4.kv_state import V4RequestKV, V4StepKV
@@ -126,7 +127,7 @@ class DeepseekV4Model:
         default the prompt; they grow). Chunking does not change results beyond float32 rounding of the
         reference's own float32 parts (mHC, norms). ``on_chunk(start)`` is called before each chunk's forward
         (the engine's fault injection)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.int64, device=self.device).view(-1)
+        ids = to_device(token_ids, torch.int64, self.device).view(-1)
         total = ids.numel()
         state = self.new_state(capacity or total)
         parts: list[torch.Tensor] = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.model.deepseek_v4.config import CSA, DeepseekV4Config
 from dhisparse.model.deepseek_v4.kv_state import Key, V4RequestKV, V4StepKV, state_keys
 
@@ -114,7 +115,7 @@ class V4PooledStepKV(V4StepKV):
 
     def __init__(self, pool: V4StatePool, slots: list[int], query_len: int, device: torch.device) -> None:
         self.pool, self.query_len, self.device = pool, query_len, device
-        self.slot = torch.tensor(slots, dtype=torch.int64, device=device)
+        self.slot = to_device(slots, torch.int64, device)
         self.starts = pool.length[self.slot].clone()
         self.lengths = self.starts + query_len
         self._window: dict[int, torch.Tensor] = {}
@@ -163,7 +164,7 @@ class V4PooledStepKV(V4StepKV):
         """Keep the state after the first ``accepted[b]`` new tokens (all ``Q`` by default), in place."""
         q = self.query_len
         keep = (torch.full_like(self.slot, q) if accepted is None
-                else torch.as_tensor(accepted, dtype=torch.int64, device=self.device))
+                else to_device(accepted, torch.int64, self.device))
         for layer, ext in self._window.items():
             self.pool.window[layer, self.slot] = _shifted(ext, keep, ext.shape[1] - q)
         for key, (ext_kv, ext_gate) in self._pending.items():
