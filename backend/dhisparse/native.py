@@ -15,13 +15,14 @@ import ctypes
 import os
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 
 ABI_VERSION = 2
-_STATUS_HOT_CACHE_TOO_SMALL = 1
+STATUS_HOT_CACHE_TOO_SMALL = 1
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
 
@@ -64,6 +65,8 @@ def copy_grid_blocks(batch: int) -> int:
 
 
 def _i64(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous():
+        return t  # the common case, without a dispatched no-op
     return t.detach().to(device="cpu", dtype=torch.int64).contiguous()
 
 
@@ -99,6 +102,45 @@ def resolve(
         raise ValueError("positions, page_table and hot_pos must have the same number of rows R")
     if page_rows <= 0 or stamp < 0:
         raise ValueError(f"page_rows must be > 0 and stamp >= 0, got {page_rows} and {stamp}")
+    out = resolve_padded(lib, positions, page_table, hot_pos, hot_stamp, hot_loc, stamp, page_rows)
+    if out.status == STATUS_HOT_CACHE_TOO_SMALL:
+        summary = out.summary
+        r = int(torch.nonzero(summary[:, 0] != 0)[0, 0])
+        misses = int(summary[r, 1] - summary[r, 3] - summary[r, 4])
+        raise HotCacheOverflowError(
+            f"request row {r} misses {misses} rows but its hot cache of {num_slots} slots cannot take them; "
+            "raise hot_rows (B) to at least the number of distinct rows one step can select"
+        )
+    if out.status != 0:
+        raise ValueError(f"native resolver rejected its arguments (status {out.status})")
+    return from_padded(out.locations, out.steps, out.hot_pos, out.hot_stamp, out.copy_position, out.copy_slot,
+                       out.copy_location, out.summary)
+
+
+class Padded(NamedTuple):
+    """The library's outputs for ``R`` rows of ``N`` selections (``dhisparse/resolver.h``): ``locations`` /
+    ``steps`` / ``copy_position`` / ``copy_slot`` / ``copy_location`` ``[R, N]`` (copy lists compacted to the
+    front of each row, ``-1`` after), the new hot state ``[R, B]``, ``summary [R, 6]`` int32 (column 0 a row's
+    status, 3..5 its direct / hot / host counts) and the call's ``status`` (0, or 1 when a row overflowed its
+    hot cache: that row's outputs are not valid)."""
+
+    locations: torch.Tensor
+    steps: torch.Tensor
+    hot_pos: torch.Tensor
+    hot_stamp: torch.Tensor
+    copy_position: torch.Tensor
+    copy_slot: torch.Tensor
+    copy_location: torch.Tensor
+    summary: torch.Tensor
+    status: int
+
+
+def resolve_padded(lib: ctypes.CDLL, positions: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor,
+                   hot_stamp: torch.Tensor, hot_loc: torch.Tensor, stamp: int, page_rows: int) -> Padded:
+    """One library call over ``R`` rows (2-D inputs as :func:`resolve`, shapes trusted), outputs fixed-shape and
+    padded, nothing raised for an overflowing row: the KV step's CPU path (``kv/step_resolution.py``) turns
+    them into its fixed-shape fetch list and device flags, like the CUDA kernel's outputs."""
+    num_requests, n = positions.shape
     pos, table, loc_in = _i64(positions), _i64(page_table), _i64(hot_loc)
     new_pos, new_stamp = _i64(hot_pos).clone(), _i64(hot_stamp).clone()
     locations = torch.empty(num_requests, n, dtype=torch.int64)
@@ -108,18 +150,10 @@ def resolve(
     copy_location = torch.empty(num_requests, n, dtype=torch.int64)
     summary = torch.empty(num_requests, 6, dtype=torch.int32)
     status = lib.dhs_resolve_batch_i64(
-        num_requests, n, table.shape[1], num_slots, page_rows, stamp,
+        num_requests, n, table.shape[1], new_pos.shape[1], page_rows, stamp,
         pos.data_ptr(), table.data_ptr(), new_pos.data_ptr(), new_stamp.data_ptr(), loc_in.data_ptr(),
         locations.data_ptr(), steps.data_ptr(), copy_position.data_ptr(), copy_slot.data_ptr(),
         copy_location.data_ptr(), summary.data_ptr(),
     )  # fmt: skip
-    if status == _STATUS_HOT_CACHE_TOO_SMALL:
-        r = int(torch.nonzero(summary[:, 0] != 0)[0, 0])
-        misses = int(summary[r, 1] - summary[r, 3] - summary[r, 4])
-        raise HotCacheOverflowError(
-            f"request row {r} misses {misses} rows but its hot cache of {num_slots} slots cannot take them; "
-            "raise hot_rows (B) to at least the number of distinct rows one step can select"
-        )
-    if status != 0:
-        raise ValueError(f"native resolver rejected its arguments (status {status})")
-    return from_padded(locations, steps, new_pos, new_stamp, copy_position, copy_slot, copy_location, summary)
+    return Padded(locations, steps, new_pos, new_stamp, copy_position, copy_slot, copy_location, summary,
+                  int(status))

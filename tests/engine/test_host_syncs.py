@@ -53,7 +53,9 @@ def test_decode_step_reads_the_host_a_constant_number_of_times(tiny_engine) -> N
         engine_dir = tiny_engine(name, "float32")
         for batch in (1, 8):
             # hisparse: most selected rows are fetched from host (the fixed-shape copy path runs every step).
-            llm = LLM(engine_dir, kv_policy="hisparse", page_rows=4, max_batch_size=8)
+            # kernels="torch": the device-generic path, the one a GPU runs. (On a CPU device "auto" resolves
+            # through the native library, which reads its own CPU outputs: tests/kv/test_kv_native_resolver.py.)
+            llm = LLM(engine_dir, kv_policy="hisparse", page_rows=4, max_batch_size=8, kernels="torch")
             engine = llm.engine
             audit = _ReadAudit(engine.kv.sync)
             begin = engine.kv.begin_step
@@ -79,7 +81,8 @@ def test_model_forward_reads_nothing_on_the_host(tiny_engine) -> None:
     KV calls — reads no tensor value on the host: the step's one read is the engine's token read."""
     prompts = random_prompts([30, 23, 37], 96, seed=6)
     for dtype in ("float32", "float64"):
-        llm = LLM(tiny_engine("glm_fsfs_sparse", dtype), kv_policy="hisparse", page_rows=4, max_batch_size=4)
+        llm = LLM(tiny_engine("glm_fsfs_sparse", dtype), kv_policy="hisparse", page_rows=4, max_batch_size=4,
+                  kernels="torch")  # the device-generic path (see above)
         engine = llm.engine
         audit = _ReadAudit(engine.kv.sync)
         forward = engine.model.forward

@@ -94,7 +94,7 @@ def test_auto_falls_back_to_torch_with_a_warning_and_a_metric(caplog: pytest.Log
         sel = select_kernels("auto", "cuda", load_cuda=lambda d: CorruptOneCopiedRow(), self_check=on_cpu,
                              has_gpu=lambda: True)
     assert sel.name == "torch" and sel.fallback and not sel.on_device
-    assert sel.stats() == {"kernels_cuda": 0.0, "kernels_fallback": 1.0}
+    assert sel.stats() == {"kernels_cuda": 0.0, "kernels_fallback": 1.0, "kernels_native_resolver": 0.0}
     assert "row_copy" in caplog.text and "falls back" in caplog.text
     sel = select_kernels("auto", "cuda", load_cuda=lambda d: None, has_gpu=lambda: True)
     assert sel.fallback and "not built" in sel.reason

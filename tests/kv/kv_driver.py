@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
 from dhisparse.kv.config import KVConfig, KVLayout
@@ -188,9 +189,19 @@ def make_layout(kind: str, dtype: torch.dtype = torch.float32, topk: int = 4) ->
 
 def make_manager(layout: KVLayout, policy: str, pool_bytes: int, hot_rows: int = 8, page_rows: int = 4,
                  max_query_len: int = 1, reserve_bytes: int = 0, refill: int = 2, host_bytes: int = 1 << 20,
-                 host_chunk_bytes: int | None = None, debug_checks: bool = False) -> KVManager:
+                 host_chunk_bytes: int | None = None, debug_checks: bool = False, native: bool = False
+                 ) -> KVManager:
+    """``native``: the step resolves through the native CPU library (``kernels="auto"`` on a CPU device)
+    instead of the torch resolver (the manager's default selection)."""
     cfg = KVConfig(policy=policy, pool_bytes=pool_bytes, hot_rows=hot_rows, page_rows=page_rows,
                    reserve_bytes=reserve_bytes, refill_pages_per_step=refill, max_query_len=max_query_len,
                    host_bytes=host_bytes)
+    kernels = None
+    if native:
+        from dhisparse.kernels.selection import select_kernels
+
+        kernels = select_kernels("auto", "cpu")
+        if kernels.native_resolver is None:
+            pytest.skip(f"native CPU resolver unavailable: {kernels.reason}")
     return KVManager(layout, cfg, torch.device("cpu"), poison_freed=True, debug_checks=debug_checks,
-                     host_chunk_bytes=host_chunk_bytes)
+                     host_chunk_bytes=host_chunk_bytes, kernels=kernels)

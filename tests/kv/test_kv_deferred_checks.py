@@ -24,11 +24,12 @@ def test_a_bad_position_is_reported_at_the_end_of_the_step() -> None:
 @pytest.mark.parametrize("layers", [2, 12])
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("query_len", [1, 3])
-def test_a_step_reads_the_host_once_whatever_the_layers_and_requests(layers, batch, query_len) -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["torch-resolver", "native-resolver"])
+def test_a_step_reads_the_host_once_whatever_the_layers_and_requests(layers, batch, query_len, native) -> None:
     """Decode (Q=1) and verification (Q=3) steps with host fetches: exactly one counted read per step."""
     layout = KVLayout(layers, list(range(layers)), 5, torch.float32, list(range(0, layers, 2)), 3, 4,
                       [[i, i + 1] for i in range(0, layers, 2)])
-    m = make_manager(layout, "hisparse", 1 << 22, hot_rows=12, max_query_len=query_len)
+    m = make_manager(layout, "hisparse", 1 << 22, hot_rows=12, max_query_len=query_len, native=native)
     d = KVDriver(m, seed=layers + batch)
     for i in range(batch):
         assert d.submit(f"r{i}", 9 + i, 8)

@@ -29,9 +29,10 @@ class KVMachine(RuleBasedStateMachine):
         max_query_len=st.sampled_from([1, 2]),
         reserve_pages=st.sampled_from([0, 2]),
         seed=st.integers(0, 10_000),
+        native=st.booleans(),
     )
     def setup(self, policy: str, kind: str, pool_scale: float, max_query_len: int, reserve_pages: int,
-              seed: int) -> None:
+              seed: int, native: bool) -> None:
         layout = make_layout(kind)
         hot_rows = layout.index_topk + 2  # B does not grow with the query length: overflow goes to staging
         probe = KVConfig(policy=policy, pool_bytes=1 << 20, hot_rows=hot_rows, page_rows=4,
@@ -39,7 +40,7 @@ class KVMachine(RuleBasedStateMachine):
         reserve = reserve_pages * 4 * layout.row_bytes
         smallest = request_footprint(layout, probe, MAX_PROMPT, MAX_NEW).required_bytes + reserve
         manager = make_manager(layout, policy, int(smallest * pool_scale), hot_rows=hot_rows,
-                               max_query_len=max_query_len, reserve_bytes=reserve, refill=2)
+                               max_query_len=max_query_len, reserve_bytes=reserve, refill=2, native=native)
         self.driver = KVDriver(manager, seed=seed)
         self.max_query_len = max_query_len
         self.next_id = 0

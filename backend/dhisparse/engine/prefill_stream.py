@@ -99,6 +99,6 @@ class StreamedPrefillKV:
             earlier = pos.clamp(max=self.length - 1).reshape(-1).cpu()
             wanted, inverse = torch.unique(earlier, return_inverse=True)
             fetched = self.layout.decode(self.host_rows.index_select(0, self.row_index[source, wanted]))
-            past = fetched.to(out.device, out.dtype)[inverse.to(out.device)].view_as(out)
+            past = to_device(fetched, out.dtype, out.device)[to_device(inverse, None, out.device)].view_as(out)
             out = torch.where((pos < self.length).unsqueeze(-1), past, out)
         return out.masked_fill((positions < 0).unsqueeze(-1), 0)

@@ -6,7 +6,10 @@
   reference.
 - ``auto`` (default): the CUDA kernels on a CUDA device when they are built and pass the self-check; else torch,
   with a warning (logged) and the ``kv_kernels_fallback`` metric set to 1 when a GPU was there but the
-  kernels could not be used. On a CPU device ``auto`` is torch without a warning.
+  kernels could not be used. On a CPU device ``auto`` is torch, whose KV step resolves through the native CPU
+  library (``libdhisparse_cpu.so``: the resolver shared with the CUDA kernel, one call per resolution instead
+  of dozens of small torch operations) when it is built and agrees with the torch resolver on a start-up
+  self-check (``kv_kernels_native_resolver`` 1); else the torch resolver, without a warning.
 
 The result is a :class:`KernelSelection`; the KV manager takes it (``KVManager(..., kernels=…)``), the KV
 step reads ``selection.kernels`` and the model reaches attention through the step (``StepKV.attend``).
@@ -40,6 +43,8 @@ class KernelSelection:
     reason: str
     fallback: bool = False
     self_check: list[CheckResult] = field(default_factory=list)
+    # The CPU library that resolves the torch path's steps on a CPU device (``dhisparse.native``), or None.
+    native_resolver: Any = None
 
     @property
     def name(self) -> str:
@@ -52,7 +57,8 @@ class KernelSelection:
 
     def stats(self) -> dict[str, float]:
         """``kernels_cuda`` 1 when the CUDA kernels serve, ``kernels_fallback`` 1 when ``auto`` fell back on a GPU."""
-        return {"kernels_cuda": float(self.name == "cuda"), "kernels_fallback": float(self.fallback)}
+        return {"kernels_cuda": float(self.name == "cuda"), "kernels_fallback": float(self.fallback),
+                "kernels_native_resolver": float(self.native_resolver is not None)}
 
 
 def torch_selection(reason: str = "torch requested") -> KernelSelection:
@@ -70,9 +76,11 @@ def select_kernels(
     load_cuda: Callable[[torch.device], Any] | None = None,
     self_check: Callable[[Any, torch.device], list[CheckResult]] = run_self_check,
     has_gpu: Callable[[], bool] = gpu_visible,
+    native_check: Callable[[Any], list[CheckResult]] | None = None,
 ) -> KernelSelection:
     """Choose the kernels for ``device`` (see the module docstring). ``load_cuda`` (default: the built
-    library) returns the CUDA kernel set or ``None``; ``self_check`` and ``has_gpu`` are injectable for tests.
+    library) returns the CUDA kernel set or ``None``; ``self_check``, ``has_gpu`` and ``native_check`` (the CPU
+    library's check against the torch resolver) are injectable for tests.
 
     Raises:
         ConfigError: ``option`` is unknown, or ``cuda`` cannot be honoured (no GPU, library not built).
@@ -88,6 +96,8 @@ def select_kernels(
             where = f"device is {str(device)!r}" if device.type != "cuda" else "no CUDA GPU is visible to torch"
             raise ConfigError(f"kernels='cuda' needs device='cuda' on a machine with a GPU, but {where}; "
                               "use kernels='auto' or 'torch'")
+        if device.type == "cpu":
+            return _cpu_selection(native_check)
         return torch_selection(f"device {device} has no CUDA kernels")
     kernels = (load_cuda or _load_built_kernels)(device)
     if kernels is None:
@@ -101,6 +111,38 @@ def select_kernels(
             raise KernelSelfCheckError(f"CUDA kernel self-check failed against the torch reference: {bad}")
         return _refuse_or_fall_back(option, f"CUDA kernel self-check failed: {bad}", results)
     return KernelSelection(option, kernels, f"CUDA kernels passed {len(results)} self-checks", self_check=results)
+
+
+def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> KernelSelection:
+    """Torch on a CPU device, resolving through the native CPU library when it is built and self-checks."""
+    from dhisparse import native  # late: native imports kv.resolver
+
+    lib = native.load()
+    if lib is None:
+        return torch_selection(f"CPU device; native resolver not built ({native.library_path()})")
+    results = (native_check or check_native_resolver)(lib)
+    bad = failures(results)
+    if bad is not None:
+        log.warning("the native CPU resolver disagrees with the torch resolver; resolving with torch: %s", bad)
+        return KernelSelection("auto", TorchKernels(), f"native resolver self-check failed: {bad}",
+                               self_check=results)
+    return KernelSelection("auto", TorchKernels(), f"CPU device; native resolver passed {len(results)} self-checks",
+                           self_check=results, native_resolver=lib)
+
+
+def check_native_resolver(lib: Any, seed: int = 0) -> list[CheckResult]:
+    """The CPU library's resolver against the torch resolver on random irregular cases (the CUDA kernels'
+    resolver self-check, on the CPU)."""
+    from dhisparse import native
+    from dhisparse.kernels.self_check import check_resolver
+
+    class _Native:
+        @staticmethod
+        def resolve(*args: torch.Tensor, stamp: int, page_rows: int) -> Any:
+            return native.resolve(*args, stamp=stamp, page_rows=page_rows)
+
+    del lib  # native.resolve loads the same library
+    return check_resolver(_Native(), torch.device("cpu"), torch.Generator().manual_seed(seed))
 
 
 def _load_built_kernels(device: torch.device) -> Any:

@@ -5,7 +5,9 @@
   leave the hot cache untouched; the checks (position past the length, unmapped page) and the direct-row counts
   are deferred and settled once per step (:meth:`StepResolution._settle_deferred`, called by ``report``).
 - **Otherwise** the torch resolver (on the device, fixed-shape fetch list) or, with the CUDA kernels and no
-  verification staging, the resolver and row-copy kernels.
+  verification staging, the resolver and row-copy kernels; on a CPU device with the native library selected
+  (``kernels="auto"``) and no verification staging, one call of the library per source or index group
+  (:meth:`StepResolution._resolve_native`).
 - **Index groups**: sources selected by the same positions are resolved together, as ``[G, B, ...]`` rows of one
   resolution (a view of the step's state when the sources are consecutive; rows are independent, so each source
   gets what its own call would give), on direct steps and on the torch resolver without staging; host fetches stay
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse import native
 from dhisparse.host_values import to_device
 from dhisparse.kv import kernel_step
 from dhisparse.kv.copies import CopyTicket
@@ -109,6 +112,9 @@ class StepResolution:
         # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
         # so a step with verification staging resolves with the torch resolver (on the device as well).
         self._snapshot_hot()
+        if m.kernels.native_resolver is not None and staging is None:
+            self._resolve_native([(source, slot)], positions)
+            return
         if m.kernels.on_device and staging is None:
             kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
             self.resolver_calls += 1
@@ -162,6 +168,9 @@ class StepResolution:
             return
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
         self._snapshot_hot()
+        if m.kernels.native_resolver is not None:
+            self._resolve_native(todo, positions)
+            return
 
         def by_source(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G, B, X] of the group's sources (a view)
             return t[:, index].transpose(0, 1)
@@ -190,6 +199,52 @@ class StepResolution:
                 self._tickets.append(tickets[g])
         for g, (source, slot) in enumerate(todo):
             self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False)
+
+    def _resolve_native(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
+        """The sources ``todo`` (no verification staging) resolved by one call of the native CPU library (a CPU
+        device; ``kernels.native_resolver``): the same results as the torch resolver (checked at start-up). Its
+        copy lists come back compacted to the front of each row with their lengths, which a CPU call's caller may
+        read: a source that misses nothing issues no fetch, one that does copies its rows up to its longest list.
+        The checks stay flags settled by ``report``, as on the torch path."""
+        m, batch = self._m, len(self.requests)
+        sources = [s for s, _ in todo]
+        groups, page_rows = len(sources), m.pool.page_rows
+        index = _source_index(sources, m.device)
+        flat = positions.reshape(batch, -1)
+        n = flat.shape[1]
+
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G * B, X], source-major
+            return t[:, index].transpose(0, 1).reshape(groups * batch, -1)
+
+        out = native.resolve_padded(m.kernels.native_resolver, flat.expand(groups, batch, n).reshape(-1, n),
+                                    rows_of(self.page_table), rows_of(self.hot_pos), rows_of(self.hot_stamp),
+                                    rows_of(self.hot_loc), self.stamp, page_rows)
+        if out.status not in (0, native.STATUS_HOT_CACHE_TOO_SMALL):
+            raise ValueError(f"native resolver rejected the step's arguments (status {out.status})")
+        self.resolver_calls += groups
+        self._store_hot_sources(index, out.hot_pos.view(groups, batch, -1).transpose(0, 1),
+                                out.hot_stamp.view(groups, batch, -1).transpose(0, 1))
+        summary = out.summary.numpy()  # a CPU call's outputs: reading them reads no device
+        counts = self.counts.numpy()  # the step's CPU counts, added to in place
+        counts += summary[:, 3:6].reshape(groups, batch, 3).sum(0)
+        if out.status:  # raised with the step's other checks
+            self._flag(FLAG_OVERFLOW, torch.ones((), dtype=torch.bool), HotCacheOverflowError)
+        locations = out.locations.view(groups, batch, n)
+        widths = summary[:, 2].reshape(groups, batch).max(1)  # each source's longest copy list (-1 padded after)
+        for g, (source, slot) in enumerate(todo):
+            ticket = None
+            width = int(widths[g])
+            if width and self.host_pages is not None and not out.status:  # one fetch per source that misses
+                rows = slice(g * batch, (g + 1) * batch)
+                wanted = out.copy_position[rows, :width]
+                mask = wanted >= 0
+                pos = wanted.clamp(min=0)
+                page = self.host_pages[:, source].gather(1, pos // page_rows)
+                src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
+                dst = torch.where(mask, out.copy_location[rows, :width], m.pool.scratch_row).reshape(-1)
+                ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
+                self._tickets.append(ticket)
+            self._resolved[source] = _Resolved(positions, locations[g], ticket, slot, False)
 
     def _store_hot_sources(self, index: slice | torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
         """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""

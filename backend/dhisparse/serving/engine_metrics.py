@@ -51,6 +51,8 @@ DESCRIPTIONS = {
     "kv_host_pages_used": "Host KV pages owned by requests",
     "kv_kernels_cuda": "1 when the CUDA kernels serve the request path (kernels=auto|cuda), else 0",
     "kv_kernels_fallback": "1 when kernels=auto had a GPU but fell back to torch (not built or self-check failed)",
+    "kv_kernels_native_resolver": "1 when the KV step resolves through the native CPU library (kernels=auto on a "
+                                  "CPU device, built and self-checked), else 0",
     "kv_reclaim_events": "Requests whose optional pages were reclaimed (cumulative)",
     "draft_tokens_proposed": "Draft tokens proposed by the speculative drafter (cumulative)",
     "draft_tokens_accepted": "Draft tokens accepted by verification (cumulative)",
