@@ -321,7 +321,8 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     lines = [f"# GPU check — {report['device']}", "", f"Total {report['seconds']:.0f} s. Failures: "
-             f"{report['failures'] or 'none'}.", "", "## Kernels against the torch reference", ""]
+             f"{report['failures'] or 'none'}. Skipped (time budget): {report.get('skipped') or 'none'}.", "",
+             "## Kernels against the torch reference", ""]
     for key, value in report.get("kernels", {}).items():
         lines.append(f"- {key}: {value if value is not None else 'all equal'}")
     lines += ["", "## Microbenchmarks (medians of CUDA-event timings)", "",
@@ -444,8 +445,12 @@ def main() -> int:
                 report["decode_sync_sites"] = dict(SYNC_SITES.most_common())
                 print(f"decode_reads: {report['decode_reads']}\ndecode sync sites: {report['decode_sync_sites']}",
                       flush=True)
+                # One host read per decode step: the KV side's, counted by HostSync and by torch alike (torch's
+                # count in bfloat16 only: float32 grouped matmuls take torch's fallback, which reads the group
+                # offsets on the host, 3 per MoE layer; measured 10 per step on the demo model).
                 report["failures"] += [f"decode reads {r}" for r in report["decode_reads"]
-                                       if r["kv_reads_per_step"] != [1] or not r["mapped_copies"]]
+                                       if r["kv_reads_per_step"] != [1] or not r["mapped_copies"]
+                                       or (r["dtype"] == "bfloat16" and r["torch_syncs_per_step"] != [1])]
             except Exception as exc:
                 report["failures"].append(f"decode reads: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
@@ -465,7 +470,10 @@ def main() -> int:
             report["failures"].append(f"engine: {type(exc).__name__}: {exc}")
             traceback.print_exc()
     report["failures"] += [f"{r['model']} {r.get('kv_policy')} {r.get('speculative')}: {r['status']}"
-                           for r in report["engine"] if r["status"] not in ("identical",)]
+                           for r in report["engine"] if r["status"] != "identical"
+                           and not r["status"].startswith("skipped")]
+    report["skipped"] = [f"{r['model']} {r.get('kv_policy')} {r.get('speculative')}" for r in report["engine"]
+                         if r["status"].startswith("skipped")]
     report["seconds"] = time.monotonic() - start
     write_report(args.out, report)
     print(f"gpu_check: wrote {args.out}/gpu_check.json and .md in {report['seconds']:.0f} s; "
