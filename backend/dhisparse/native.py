@@ -142,12 +142,9 @@ def resolve_padded(lib: ctypes.CDLL, positions: torch.Tensor, page_table: torch.
     them into its fixed-shape fetch list and device flags, like the CUDA kernel's outputs."""
     num_requests, n = positions.shape
     pos, table, loc_in = _i64(positions), _i64(page_table), _i64(hot_loc)
-    new_pos, new_stamp = _i64(hot_pos).clone(), _i64(hot_stamp).clone()
-    locations = torch.empty(num_requests, n, dtype=torch.int64)
+    new_pos, new_stamp = torch.stack([_i64(hot_pos), _i64(hot_stamp)]).unbind(0)  # one copy of the hot state
+    locations, copy_position, copy_slot, copy_location = torch.empty(4, num_requests, n, dtype=torch.int64).unbind(0)
     steps = torch.empty(num_requests, n, dtype=torch.int8)
-    copy_position = torch.empty(num_requests, n, dtype=torch.int64)
-    copy_slot = torch.empty(num_requests, n, dtype=torch.int64)
-    copy_location = torch.empty(num_requests, n, dtype=torch.int64)
     summary = torch.empty(num_requests, 6, dtype=torch.int32)
     status = lib.dhs_resolve_batch_i64(
         num_requests, n, table.shape[1], new_pos.shape[1], page_rows, stamp,

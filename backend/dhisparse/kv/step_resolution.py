@@ -207,44 +207,44 @@ class StepResolution:
         read: a source that misses nothing issues no fetch, one that does copies its rows up to its longest list.
         The checks stay flags settled by ``report``, as on the torch path."""
         m, batch = self._m, len(self.requests)
-        sources = [s for s, _ in todo]
-        groups, page_rows = len(sources), m.pool.page_rows
-        index = _source_index(sources, m.device)
+        groups, page_rows = len(todo), m.pool.page_rows
+        index = _source_index([s for s, _ in todo], m.device)
         flat = positions.reshape(batch, -1)
         n = flat.shape[1]
 
-        def rows_of(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G * B, X], source-major
-            return t[:, index].transpose(0, 1).reshape(groups * batch, -1)
+        def rows_of(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [B * G, X]: row b * G + g (a view if it can be)
+            return t[:, index].reshape(batch * groups, -1)
 
-        out = native.resolve_padded(m.kernels.native_resolver, flat.expand(groups, batch, n).reshape(-1, n),
+        out = native.resolve_padded(m.kernels.native_resolver,
+                                    flat if groups == 1 else flat.repeat_interleave(groups, dim=0),
                                     rows_of(self.page_table), rows_of(self.hot_pos), rows_of(self.hot_stamp),
                                     rows_of(self.hot_loc), self.stamp, page_rows)
         if out.status not in (0, native.STATUS_HOT_CACHE_TOO_SMALL):
             raise ValueError(f"native resolver rejected the step's arguments (status {out.status})")
         self.resolver_calls += groups
-        self._store_hot_sources(index, out.hot_pos.view(groups, batch, -1).transpose(0, 1),
-                                out.hot_stamp.view(groups, batch, -1).transpose(0, 1))
+        self._store_hot_sources(index, out.hot_pos.view(batch, groups, -1), out.hot_stamp.view(batch, groups, -1))
         summary = out.summary.numpy()  # a CPU call's outputs: reading them reads no device
         counts = self.counts.numpy()  # the step's CPU counts, added to in place
-        counts += summary[:, 3:6].reshape(groups, batch, 3).sum(0)
+        counts += summary[:, 3:6].reshape(batch, groups, 3).sum(1)
         if out.status:  # raised with the step's other checks
             self._flag(FLAG_OVERFLOW, torch.ones((), dtype=torch.bool), HotCacheOverflowError)
-        locations = out.locations.view(groups, batch, n)
-        widths = summary[:, 2].reshape(groups, batch).max(1)  # each source's longest copy list (-1 padded after)
+        locations = out.locations.view(batch, groups, n)
+        copy_position = out.copy_position.view(batch, groups, n)
+        copy_location = out.copy_location.view(batch, groups, n)
+        widths = summary[:, 2].reshape(batch, groups).max(0)  # each source's longest copy list (-1 padded after)
         for g, (source, slot) in enumerate(todo):
             ticket = None
             width = int(widths[g])
             if width and self.host_pages is not None and not out.status:  # one fetch per source that misses
-                rows = slice(g * batch, (g + 1) * batch)
-                wanted = out.copy_position[rows, :width]
+                wanted = copy_position[:, g, :width]
                 mask = wanted >= 0
                 pos = wanted.clamp(min=0)
                 page = self.host_pages[:, source].gather(1, pos // page_rows)
                 src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
-                dst = torch.where(mask, out.copy_location[rows, :width], m.pool.scratch_row).reshape(-1)
+                dst = torch.where(mask, copy_location[:, g, :width], m.pool.scratch_row).reshape(-1)
                 ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
                 self._tickets.append(ticket)
-            self._resolved[source] = _Resolved(positions, locations[g], ticket, slot, False)
+            self._resolved[source] = _Resolved(positions, locations[:, g], ticket, slot, False)
 
     def _store_hot_sources(self, index: slice | torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
         """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""
