@@ -133,16 +133,11 @@ def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> K
 def check_native_resolver(lib: Any, seed: int = 0) -> list[CheckResult]:
     """The CPU library's resolver against the torch resolver on random irregular cases (the CUDA kernels'
     resolver self-check, on the CPU)."""
-    from dhisparse import native
+    from dhisparse import native  # its resolve() has the kernels' signature and calls the loaded ``lib``
     from dhisparse.kernels.self_check import check_resolver
 
-    class _Native:
-        @staticmethod
-        def resolve(*args: torch.Tensor, stamp: int, page_rows: int) -> Any:
-            return native.resolve(*args, stamp=stamp, page_rows=page_rows)
-
-    del lib  # native.resolve loads the same library
-    return check_resolver(_Native(), torch.device("cpu"), torch.Generator().manual_seed(seed))
+    del lib
+    return check_resolver(native, torch.device("cpu"), torch.Generator().manual_seed(seed))
 
 
 def _load_built_kernels(device: torch.device) -> Any:

@@ -141,14 +141,9 @@ class StepResolution:
         if self.host_pages is not None:
             # Fixed-shape copy list: misses copy their host row into their hot slot or staging row, every other
             # entry copies host row 0 into the scratch row (resident never misses: its history is all direct).
-            mask, pos = res.fetch_mask, res.fetch_position
-            page = self.host_pages[:, source].gather(1, (pos // m.pool.page_rows).clamp(
-                max=self.host_pages.shape[2] - 1))
-            src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
             assert res.fetch_location is not None
-            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).reshape(-1)
-            ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
-            self._tickets.append(ticket)
+            ticket = self._issue_fetch(*self._fetch_lists(self.host_pages[:, source], res.fetch_mask,
+                                                          res.fetch_position, res.fetch_location))
         self._resolved[source] = _Resolved(positions, res.locations, ticket, slot, staged)
 
     def _resolve_group(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
@@ -187,16 +182,12 @@ class StepResolution:
         locations = res.locations  # [G, B, N]
         tickets: list[CopyTicket | None] = [None] * groups
         if self.host_pages is not None:  # fixed-shape copy lists (see _resolve), one copy per source
-            mask, pos = res.fetch_mask, res.fetch_position
-            host_pages = by_source(self.host_pages)
-            page = host_pages.gather(2, (pos // page_rows).clamp(max=host_pages.shape[2] - 1))
             assert res.fetch_location is not None
-            src = torch.where(mask, m.host.rows_of(page, pos), 0).view(groups, -1)
-            dst = torch.where(mask, res.fetch_location, m.pool.scratch_row).view(groups, -1)
+            src, dst = self._fetch_lists(by_source(self.host_pages), res.fetch_mask, res.fetch_position,
+                                         res.fetch_location)  # [G, B, N], all sources at once
             # Separate copies keep the prefetch: the leader's attention waits only for its own source's rows.
             for g in range(groups):
-                tickets[g] = m.copies.issue("fetch", m.pool.arena, dst[g], m.host.rows, src[g])
-                self._tickets.append(tickets[g])
+                tickets[g] = self._issue_fetch(src[g], dst[g])
         for g, (source, slot) in enumerate(todo):
             self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False)
 
@@ -237,14 +228,25 @@ class StepResolution:
             width = int(widths[g])
             if width and self.host_pages is not None and not out.status:  # one fetch per source that misses
                 wanted = copy_position[:, g, :width]
-                mask = wanted >= 0
-                pos = wanted.clamp(min=0)
-                page = self.host_pages[:, source].gather(1, pos // page_rows)
-                src = torch.where(mask, m.host.rows_of(page, pos), 0).reshape(-1)
-                dst = torch.where(mask, copy_location[:, g, :width], m.pool.scratch_row).reshape(-1)
-                ticket = m.copies.issue("fetch", m.pool.arena, dst, m.host.rows, src)
-                self._tickets.append(ticket)
+                ticket = self._issue_fetch(*self._fetch_lists(self.host_pages[:, source], wanted >= 0,
+                                                              wanted.clamp(min=0), copy_location[:, g, :width]))
             self._resolved[source] = _Resolved(positions, locations[:, g], ticket, slot, False)
+
+    def _fetch_lists(self, host_pages: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                     locations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host and arena rows ``(src, dst)`` of a fixed-shape copy list ``[..., N]`` (any leading shape, matching
+        the requests' host page ids ``host_pages [..., M]``): where ``mask``, the host row of ``positions`` goes to
+        arena row ``locations``; every other entry copies host row 0 into the scratch row."""
+        m = self._m
+        page = host_pages.gather(-1, (positions // m.pool.page_rows).clamp(max=host_pages.shape[-1] - 1))
+        return (torch.where(mask, m.host.rows_of(page, positions), 0),
+                torch.where(mask, locations, m.pool.scratch_row))
+
+    def _issue_fetch(self, src: torch.Tensor, dst: torch.Tensor) -> CopyTicket:
+        m = self._m
+        ticket = m.copies.issue("fetch", m.pool.arena, dst.reshape(-1), m.host.rows, src.reshape(-1))
+        self._tickets.append(ticket)
+        return ticket
 
     def _store_hot_sources(self, index: slice | torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
         """New hot state ``[B, G, hot_rows]`` of the sources ``index``, written into the slots in place."""
