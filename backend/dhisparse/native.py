@@ -21,8 +21,11 @@ import torch
 
 from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 STATUS_HOT_CACHE_TOO_SMALL = 1
+# Flags of resolve_step (DHS_STEP_* in c_api.h).
+STEP_BAD_POSITION, STEP_HOT_CACHE_OVERFLOW, STEP_NO_HOST_COPY = 1, 2, 4
+_STEP_ARGS = 31  # int64 fields of DhsStepArgs
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
 
@@ -46,6 +49,8 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.dhs_resolve_batch_i64.restype = ctypes.c_int32
     lib.dhs_resolve_batch_i64.argtypes = [i64] * 6 + [ptr] * 11
+    lib.dhs_resolve_step_i64.restype = ctypes.c_int32
+    lib.dhs_resolve_step_i64.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.dhs_copy_grid_blocks.restype = ctypes.c_int32
     lib.dhs_copy_grid_blocks.argtypes = [i64]
     return lib
@@ -154,3 +159,71 @@ def resolve_padded(lib: ctypes.CDLL, positions: torch.Tensor, page_table: torch.
     )  # fmt: skip
     return Padded(locations, steps, new_pos, new_stamp, copy_position, copy_slot, copy_location, summary,
                   int(status))
+
+
+class StepOutputs(NamedTuple):
+    """What :func:`resolve_step` returns for ``G`` sources, ``B`` requests, ``N`` selections: ``locations
+    [G, B, N]`` (``-1`` where unused), each source's copy list as host rows ``fetch_src [G, B * N]`` → arena
+    rows ``fetch_dst [G, B * N]`` of which the first ``fetch_count[g]`` are valid, and the ``STEP_*`` flags."""
+
+    locations: torch.Tensor
+    fetch_src: torch.Tensor
+    fetch_dst: torch.Tensor
+    fetch_count: list[int]
+    flags: int
+
+
+def _strided(name: str, t: torch.Tensor, rows: int, sources: int) -> None:
+    if (t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 3 or t.stride(2) != 1 or t.shape[0] < rows
+            or t.shape[1] < sources):
+        raise ValueError(f"resolve_step: {name} must be a CPU int64 [rows, sources, width] tensor with a "
+                         f"contiguous last dimension, got {t.dtype} {list(t.shape)} strides {t.stride()}")
+
+
+def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tensor, sources: torch.Tensor,
+                 slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
+                 hot_loc: torch.Tensor, host_pages: torch.Tensor | None, counts: torch.Tensor, stamp: int,
+                 page_rows: int) -> StepOutputs:
+    """One KV step's resolution of the sources ``sources [G]`` selected by the same ``positions [B, N]`` (an index
+    group, or one source), by one library call (``dhs_resolve_step_i64``, the contract of ``resolver.h`` per
+    request and source): the step's state is read where it lives — the page-table snapshot ``[B, S, M]`` by
+    request, the hot state ``[slots, S, H]`` (updated in place) and host page ids ``[slots, S, M']`` by each
+    request's slot ``slots [B]`` — and each request's direct / hot / host counts are added to ``counts [B, 3]``.
+    Nothing is resolved when a position is at or past its request's ``lengths`` (flag ``STEP_BAD_POSITION``); a
+    request whose misses overflow its hot cache keeps its state (``STEP_HOT_CACHE_OVERFLOW``, its locations -1).
+    All tensors int64 on the CPU; the 3-D ones need a contiguous last dimension (checked, as are the sizes)."""
+    batch, n = positions.shape
+    groups = sources.shape[0]
+    for name, t in (("positions", positions), ("lengths", lengths), ("sources", sources), ("slots", slots),
+                    ("counts", counts)):
+        if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"resolve_step: {name} must be a contiguous CPU int64 tensor")
+    if lengths.shape != (batch,) or slots.shape != (batch,) or counts.shape != (batch, 3):
+        raise ValueError("resolve_step: lengths and slots must be [B], counts [B, 3]")
+    num_sources = page_table.shape[1]
+    _strided("page_table", page_table, batch, num_sources)
+    for name, t in (("hot_pos", hot_pos), ("hot_stamp", hot_stamp), ("hot_loc", hot_loc)):
+        _strided(name, t, 1, num_sources)
+        if t.shape != hot_pos.shape or t.stride() != hot_pos.stride():
+            raise ValueError("resolve_step: hot_pos, hot_stamp and hot_loc must have one shape and layout")
+    if host_pages is not None:
+        _strided("host_pages", host_pages, hot_pos.shape[0], num_sources)
+    out = torch.empty(groups * (3 * batch * n + 1), dtype=torch.int64)
+    locations = out[: groups * batch * n].view(groups, batch, n)
+    fetch = out[groups * batch * n: 3 * groups * batch * n].view(2, groups, batch * n)
+    fetch_count = out[3 * groups * batch * n:]
+    host = host_pages if host_pages is not None else hot_pos  # strides only; the pointer passed is NULL
+    args = (ctypes.c_int64 * _STEP_ARGS)(
+        batch, n, groups, hot_pos.shape[2], page_rows, stamp, page_table.shape[2], host.shape[2],
+        num_sources, hot_pos.shape[0],
+        page_table.stride(0), page_table.stride(1), hot_pos.stride(0), hot_pos.stride(1),
+        host.stride(0), host.stride(1), counts.stride(0),
+        positions.data_ptr(), lengths.data_ptr(), sources.data_ptr(), slots.data_ptr(), page_table.data_ptr(),
+        hot_pos.data_ptr(), hot_stamp.data_ptr(), hot_loc.data_ptr(),
+        host_pages.data_ptr() if host_pages is not None else 0, locations.data_ptr(), fetch[0].data_ptr(),
+        fetch[1].data_ptr(), fetch_count.data_ptr(), counts.data_ptr(),
+    )  # fmt: skip
+    flags = int(lib.dhs_resolve_step_i64(args))
+    if flags < 0:
+        raise ValueError("resolve_step: the library rejected the sizes, the stamp, a source or a slot")
+    return StepOutputs(locations, fetch[0], fetch[1], fetch_count.tolist(), flags)

@@ -11,6 +11,10 @@
 namespace
 {
 
+// Every field of DhsStepArgs is 8 bytes, in declaration order (native.py packs it as an int64 array).
+static_assert(sizeof(DhsStepArgs) == 31 * sizeof(int64_t), "DhsStepArgs layout");
+static_assert(offsetof(DhsStepArgs, counts) == 30 * sizeof(int64_t), "DhsStepArgs layout");
+
 template <typename Idx>
 int32_t resolve_batch(int64_t num_sources, int64_t n, int64_t num_pages, int64_t hot_rows, Idx page_rows,
     Idx stamp, Idx const* positions, Idx const* page_table, Idx* hot_pos, Idx* hot_stamp, Idx const* hot_loc,
@@ -58,6 +62,132 @@ int32_t resolve_batch(int64_t num_sources, int64_t n, int64_t num_pages, int64_t
     return first_error;
 }
 
+
+//! Strided view of a [rows, sources, width] int64 tensor whose last dimension is contiguous.
+struct Strided3
+{
+    int64_t* data;
+    int64_t row_stride;
+    int64_t source_stride;
+
+    int64_t* at(int64_t row, int64_t source) const
+    {
+        return data + row * row_stride + source * source_stride;
+    }
+};
+
+int32_t resolve_step(DhsStepArgs const& a)
+{
+    if (a.batch < 0 || a.n < 0 || a.groups < 0 || a.hot_rows < 0 || a.hot_rows >= (int64_t{1} << 24)
+        || a.page_rows <= 0 || a.stamp < 0 || a.num_pages < 0 || (a.host_pages != nullptr && a.host_num_pages < 0))
+    {
+        return -1;
+    }
+    for (int64_t g = 0; g < a.groups; ++g)
+    {
+        if (a.sources[g] < 0 || a.sources[g] >= a.num_sources)
+        {
+            return -1;
+        }
+    }
+    for (int64_t b = 0; b < a.batch; ++b)
+    {
+        if (a.slots[b] < 0 || a.slots[b] >= a.num_slots)
+        {
+            return -1;
+        }
+    }
+    int64_t const n = a.n;
+    // Checks first: a selected position at or past its request's length resolves nothing (the step fails).
+    int32_t flags = 0;
+    for (int64_t b = 0; b < a.batch; ++b)
+    {
+        for (int64_t i = 0; i < n; ++i)
+        {
+            if (a.positions[b * n + i] >= a.lengths[b])
+            {
+                flags |= DHS_STEP_BAD_POSITION;
+            }
+        }
+    }
+    for (int64_t g = 0; g < a.groups; ++g)
+    {
+        a.fetch_count[g] = 0;
+    }
+    if (flags != 0)
+    {
+        for (int64_t i = 0; i < a.groups * a.batch * n; ++i)
+        {
+            a.locations[i] = -1;
+        }
+        return flags;
+    }
+    std::vector<int64_t> union_positions(static_cast<size_t>(n));
+    std::vector<int64_t> union_locations(static_cast<size_t>(n));
+    std::vector<int8_t> union_steps(static_cast<size_t>(n));
+    std::vector<int64_t> hot_keys(static_cast<size_t>(a.hot_rows));
+    std::vector<int64_t> victim_keys(static_cast<size_t>(a.hot_rows));
+    std::vector<uint8_t> slot_needed(static_cast<size_t>(a.hot_rows));
+    std::vector<int8_t> steps(static_cast<size_t>(n));
+    std::vector<int64_t> copy_position(static_cast<size_t>(n));
+    std::vector<int64_t> copy_slot(static_cast<size_t>(n));
+    std::vector<int64_t> copy_location(static_cast<size_t>(n));
+    int32_t summary[DHS_SUMMARY_COLUMNS];
+    dhisparse::ResolveScratch<int64_t> const scratch{union_positions.data(), union_locations.data(),
+        union_steps.data(), hot_keys.data(), victim_keys.data(), slot_needed.data()};
+    Strided3 const table{const_cast<int64_t*>(a.page_table), a.table_row_stride, a.table_source_stride};
+    Strided3 const hot_pos{a.hot_pos, a.hot_slot_stride, a.hot_source_stride};
+    Strided3 const hot_stamp{a.hot_stamp, a.hot_slot_stride, a.hot_source_stride};
+    Strided3 const hot_loc{const_cast<int64_t*>(a.hot_loc), a.hot_slot_stride, a.hot_source_stride};
+    Strided3 const host{const_cast<int64_t*>(a.host_pages), a.host_slot_stride, a.host_source_stride};
+    for (int64_t g = 0; g < a.groups; ++g)
+    {
+        int64_t const source = a.sources[g];
+        int64_t* const src = a.fetch_src + g * a.batch * n;
+        int64_t* const dst = a.fetch_dst + g * a.batch * n;
+        int64_t fetched = 0;
+        for (int64_t b = 0; b < a.batch; ++b)
+        {
+            int64_t const slot = a.slots[b];
+            dhisparse::SourceView<int64_t> const view{a.page_rows, a.stamp, table.at(b, source), a.num_pages,
+                hot_pos.at(slot, source), hot_stamp.at(slot, source), hot_loc.at(slot, source), a.hot_rows};
+            dhisparse::ResolveOutputs<int64_t> const out{a.locations + (g * a.batch + b) * n, steps.data(),
+                copy_position.data(), copy_slot.data(), copy_location.data(), summary};
+            int32_t const status = dhisparse::resolve_source<int64_t>(view, a.positions + b * n, n, scratch, out);
+            int64_t* const counts = a.counts + b * a.counts_row_stride;
+            counts[0] += summary[DHS_SUMMARY_DIRECT];
+            counts[1] += summary[DHS_SUMMARY_HOT];
+            counts[2] += status == dhisparse::kResolveOk ? summary[DHS_SUMMARY_HOST] : 0;
+            if (status != dhisparse::kResolveOk)
+            {
+                for (int64_t i = 0; i < n; ++i)
+                {
+                    out.locations[i] = -1;
+                }
+                flags |= DHS_STEP_HOT_CACHE_OVERFLOW;
+                continue;
+            }
+            int64_t const copies = summary[DHS_SUMMARY_NUM_COPIES];
+            int64_t const* const pages = a.host_pages != nullptr ? host.at(slot, source) : nullptr;
+            for (int64_t c = 0; c < copies; ++c)
+            {
+                int64_t const page = copy_position[c] / a.page_rows;
+                int64_t const host_page = pages != nullptr && page < a.host_num_pages ? pages[page] : -1;
+                if (host_page < 0)
+                {
+                    flags |= DHS_STEP_NO_HOST_COPY;
+                    continue;
+                }
+                src[fetched] = host_page * a.page_rows + copy_position[c] % a.page_rows;
+                dst[fetched] = copy_location[c];
+                ++fetched;
+            }
+        }
+        a.fetch_count[g] = fetched;
+    }
+    return flags;
+}
+
 } // namespace
 
 extern "C" {
@@ -83,6 +213,11 @@ int32_t dhs_resolve_batch_i32(int64_t num_sources, int64_t n_select, int64_t num
 {
     return resolve_batch<int32_t>(num_sources, n_select, num_pages, hot_rows, page_rows, stamp, positions,
         page_table, hot_pos, hot_stamp, hot_loc, locations, steps, copy_position, copy_slot, copy_location, summary);
+}
+
+int32_t dhs_resolve_step_i64(DhsStepArgs const* args)
+{
+    return args == nullptr ? -1 : resolve_step(*args);
 }
 
 int32_t dhs_copy_grid_blocks(int64_t batch)

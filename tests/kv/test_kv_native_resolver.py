@@ -52,6 +52,80 @@ def test_a_hot_cache_overflow_is_raised_at_the_end_of_the_step(native_path) -> N
         m.end_step({"a": 1})
 
 
+def _step_state(num_slots: int = 3, sources: int = 2, pages: int = 4, page_rows: int = 4, hot_rows: int = 3):
+    """A small batch state: pages 0 and 1 of every (slot, source) in the arena, the rest only on the host."""
+    table = torch.full((num_slots, sources, pages), -1, dtype=torch.int64)
+    table[:, :, :2] = torch.arange(num_slots * sources * 2).view(num_slots, sources, 2)
+    hot_pos = torch.full((num_slots, sources, hot_rows), -1, dtype=torch.int64)
+    hot_stamp = torch.zeros_like(hot_pos)
+    hot_loc = 1000 + torch.arange(hot_pos.numel()).view_as(hot_pos)
+    host_pages = 100 + torch.arange(num_slots * sources * pages).view(num_slots, sources, pages)
+    return table, hot_pos, hot_stamp, hot_loc, host_pages
+
+
+def _resolve_step(positions, lengths, slots, state, sources=(0, 1), page_rows=4, host=True):
+    table, hot_pos, hot_stamp, hot_loc, host_pages = state
+    counts = torch.zeros(len(slots), 3, dtype=torch.int64)
+    out = native.resolve_step(native.load(), torch.tensor(positions), torch.tensor(lengths), torch.tensor(sources),
+                              torch.tensor(slots), table[[min(s, len(table) - 1) for s in slots]], hot_pos,
+                              hot_stamp, hot_loc, host_pages if host else None, counts, 5, page_rows)
+    return out, counts
+
+
+def test_step_resolution_reads_and_updates_the_slots_of_the_batch_state() -> None:
+    """Requests in slots 2 and 0 (in that order): direct rows from the page-table snapshot, misses copied from
+    each slot's host pages into its hot cache, counts per request, the other slot untouched."""
+    state = _step_state()
+    table, hot_pos, hot_stamp, hot_loc, host_pages = state
+    out, counts = _resolve_step([[1, 9, -1], [12, 12, 5]], [16, 16], [2, 0], state)
+    assert out.flags == 0
+    # Request 0 (slot 2), source 0: position 1 direct (page 0 → arena page table[2, 0, 0]), 9 a miss → hot slot 0.
+    assert out.locations[0, 0].tolist() == [int(table[2, 0, 0]) * 4 + 1, int(hot_loc[2, 0, 0]), -1]
+    assert out.locations[0, 1].tolist() == [int(hot_loc[0, 0, 0])] * 2 + [int(table[0, 0, 1]) * 4 + 1]
+    assert hot_pos[2, :, 0].tolist() == [9, 9] and hot_pos[0, :, 0].tolist() == [12, 12]
+    assert (hot_pos[1] == -1).all() and (hot_stamp[1] == 0).all()  # slot 1 is not in the step
+    assert hot_stamp[2, 0, 0] == 5
+    assert counts.tolist() == [[2, 0, 2], [2, 0, 2]]  # [direct, hot, host] summed over the two sources
+    assert out.fetch_count == [2, 2]
+    want_src = [int(host_pages[2, 0, 2]) * 4 + 1, int(host_pages[0, 0, 3]) * 4]
+    assert out.fetch_src[0, :2].tolist() == want_src
+    assert out.fetch_dst[0, :2].tolist() == [int(hot_loc[2, 0, 0]), int(hot_loc[0, 0, 0])]
+    again, counts = _resolve_step([[9, -1, -1], [12, -1, -1]], [16, 16], [2, 0], state)  # now hot hits
+    assert again.fetch_count == [0, 0] and counts.tolist() == [[0, 2, 0], [0, 2, 0]]
+
+
+def test_step_resolution_flags_bad_positions_overflow_and_rows_without_a_host_copy() -> None:
+    state = _step_state()
+    before = [t.clone() for t in state]
+    out, counts = _resolve_step([[1, 16]], [16], [1], state)  # position 16 is at the length: nothing resolved
+    assert out.flags == native.STEP_BAD_POSITION and (out.locations == -1).all() and out.fetch_count == [0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(state, before, strict=True)) and not counts.any()
+    out, _ = _resolve_step([[8, 9, 10, 11]], [16], [1], state)  # four misses, three hot rows
+    assert out.flags & native.STEP_HOT_CACHE_OVERFLOW and (out.locations == -1).all()
+    assert torch.equal(state[1], before[1])  # an overflowing row keeps its hot state
+    state[4][1, 1, 2] = -1  # page 2 of slot 1, source 1 was never backed up
+    out, _ = _resolve_step([[9]], [16], [1], state)
+    assert out.flags == native.STEP_NO_HOST_COPY and out.fetch_count == [1, 0]
+    out, _ = _resolve_step([[9]], [16], [1], _step_state(), host=False)  # no host store at all
+    assert out.flags == native.STEP_NO_HOST_COPY
+
+
+@pytest.mark.parametrize("bad", ["slot", "source", "layout", "dtype"])
+def test_step_resolution_refuses_arguments_it_cannot_read_safely(bad) -> None:
+    state = list(_step_state())
+    slots, sources = [0], (0, 1)
+    if bad == "slot":
+        slots = [3]
+    elif bad == "source":
+        sources = (0, 2)
+    elif bad == "layout":
+        state[1] = state[1].transpose(1, 2)
+    else:
+        state[2] = state[2].int()
+    with pytest.raises(ValueError, match="resolve_step"):
+        _resolve_step([[1]], [16], slots, state, sources=sources)
+
+
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("native_step")

@@ -132,12 +132,12 @@ def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> K
 
 def check_native_resolver(lib: Any, seed: int = 0) -> list[CheckResult]:
     """The CPU library's resolver against the torch resolver on random irregular cases (the CUDA kernels'
-    resolver self-check, on the CPU)."""
+    resolver self-check, on the CPU), and its whole-step resolution (what the KV step calls) likewise."""
     from dhisparse import native  # its resolve() has the kernels' signature and calls the loaded ``lib``
-    from dhisparse.kernels.self_check import check_resolver
+    from dhisparse.kernels.self_check import check_resolver, check_step_resolution
 
-    del lib
-    return check_resolver(native, torch.device("cpu"), torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return [*check_resolver(native, torch.device("cpu"), g), *check_step_resolution(native, lib, g)]
 
 
 def _load_built_kernels(device: torch.device) -> Any:

@@ -69,6 +69,17 @@ def _source_index(sources: list[int], device: torch.device) -> slice | torch.Ten
     return index
 
 
+_NATIVE_SOURCES: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _native_sources(sources: tuple[int, ...]) -> torch.Tensor:
+    """The sources of a native resolution as a CPU int64 tensor (made once per group)."""
+    index = _NATIVE_SOURCES.get(sources)
+    if index is None:
+        index = _NATIVE_SOURCES[sources] = torch.tensor(sources, dtype=torch.int64)
+    return index
+
+
 class StepResolution:
     """Resolution, hot-state and check methods of a step (state set up by ``StepKV.__init__``)."""
 
@@ -80,6 +91,8 @@ class StepResolution:
     _tickets: list[CopyTicket]
     _hot_before: tuple[torch.Tensor, torch.Tensor] | None
     requests: list[RequestKV]
+    slots: list[int]
+    _slot_state: dict[str, torch.Tensor]
     all_direct: bool
     stamp: int
     resolver_calls: int
@@ -102,19 +115,20 @@ class StepResolution:
         if self.all_direct and not m.debug_checks:
             self._resolve_direct([(source, slot)], positions)
             return
+        staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
+        if m.kernels.native_resolver is not None and staging is None and not self.all_direct:
+            self._snapshot_hot()
+            self._resolve_native([(source, slot)], positions)  # checks the positions itself
+            return
         # Once per resolution (the layers reusing it pass the same positions).
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
         if self.all_direct:  # debug_checks: the direct resolution's checks and counts at once
             self._resolve_direct([(source, slot)], positions)
             self._settle_deferred()
             return
-        staging = self.staging_loc[:, slot] if self.staging_loc.shape[2] else None
         # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
         # so a step with verification staging resolves with the torch resolver (on the device as well).
         self._snapshot_hot()
-        if m.kernels.native_resolver is not None and staging is None:
-            self._resolve_native([(source, slot)], positions)
-            return
         if m.kernels.on_device and staging is None:
             kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
             self.resolver_calls += 1
@@ -161,11 +175,11 @@ class StepResolution:
         if self.all_direct:
             self._resolve_direct(todo, positions)
             return
-        self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
         self._snapshot_hot()
         if m.kernels.native_resolver is not None:
-            self._resolve_native(todo, positions)
+            self._resolve_native(todo, positions)  # checks the positions itself
             return
+        self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
 
         def by_source(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [G, B, X] of the group's sources (a view)
             return t[:, index].transpose(0, 1)
@@ -193,44 +207,43 @@ class StepResolution:
 
     def _resolve_native(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
         """The sources ``todo`` (no verification staging) resolved by one call of the native CPU library (a CPU
-        device; ``kernels.native_resolver``): the same results as the torch resolver (checked at start-up). Its
-        copy lists come back compacted to the front of each row with their lengths, which a CPU call's caller may
-        read: a source that misses nothing issues no fetch, one that does copies its rows up to its longest list.
-        The checks stay flags settled by ``report``, as on the torch path."""
+        device; ``kernels.native_resolver``): the same results as the torch resolver (checked at start-up). The call
+        reads the step's state where it lives (page-table snapshot by request; hot state and host page ids in the
+        batch state's slots, the hot state updated there in place), adds the counts into the step's report and
+        returns each source's copy list as host → arena rows with its length, which a CPU call's caller may read: a
+        source that misses nothing issues no fetch, one that does copies exactly its rows. The position check is
+        the call's too; the checks stay flags settled by ``report``, as on the torch path."""
         m, batch = self._m, len(self.requests)
-        groups, page_rows = len(todo), m.pool.page_rows
-        index = _source_index([s for s, _ in todo], m.device)
-        flat = positions.reshape(batch, -1)
-        n = flat.shape[1]
-
-        def rows_of(t: torch.Tensor) -> torch.Tensor:  # [B, S, X] → [B * G, X]: row b * G + g (a view if it can be)
-            return t[:, index].reshape(batch * groups, -1)
-
-        out = native.resolve_padded(m.kernels.native_resolver,
-                                    flat if groups == 1 else flat.repeat_interleave(groups, dim=0),
-                                    rows_of(self.page_table), rows_of(self.hot_pos), rows_of(self.hot_stamp),
-                                    rows_of(self.hot_loc), self.stamp, page_rows)
-        if out.status not in (0, native.STATUS_HOT_CACHE_TOO_SMALL):
-            raise ValueError(f"native resolver rejected the step's arguments (status {out.status})")
-        self.resolver_calls += groups
-        self._store_hot_sources(index, out.hot_pos.view(batch, groups, -1), out.hot_stamp.view(batch, groups, -1))
-        summary = out.summary.numpy()  # a CPU call's outputs: reading them reads no device
-        counts = self.counts.numpy()  # the step's CPU counts, added to in place
-        counts += summary[:, 3:6].reshape(batch, groups, 3).sum(1)
-        if out.status:  # raised with the step's other checks
-            self._flag(FLAG_OVERFLOW, torch.ones((), dtype=torch.bool), HotCacheOverflowError)
-        locations = out.locations.view(batch, groups, n)
-        copy_position = out.copy_position.view(batch, groups, n)
-        copy_location = out.copy_location.view(batch, groups, n)
-        widths = summary[:, 2].reshape(batch, groups).max(0)  # each source's longest copy list (-1 padded after)
+        state = self._batch
+        out = native.resolve_step(m.kernels.native_resolver, positions.reshape(batch, -1).contiguous(), self.lengths,
+                                  _native_sources(tuple(s for s, _ in todo)), self._native_slots(), self.page_table,
+                                  state.hot_pos, state.hot_stamp, state.hot_loc,
+                                  state.host_pages if m.uses_host else None, self.counts, self.stamp,
+                                  m.pool.page_rows)
+        self.resolver_calls += len(todo)
+        if self._scatter is not None:  # the step's gathered copies of the hot state are stale: read again on use
+            self._slot_state.pop("hot_pos", None)
+            self._slot_state.pop("hot_stamp", None)
+        if out.flags:
+            if out.flags & native.STEP_NO_HOST_COPY:
+                raise RuntimeError("a missed row has no host copy (its page was never backed up): the KV "
+                                   "hierarchy's residency invariant is broken")
+            if out.flags & native.STEP_BAD_POSITION:  # raised with the step's other checks
+                self._flag(FLAG_BAD_POSITION, torch.ones((), dtype=torch.bool), ValueError)
+            if out.flags & native.STEP_HOT_CACHE_OVERFLOW:
+                self._flag(FLAG_OVERFLOW, torch.ones((), dtype=torch.bool), HotCacheOverflowError)
+        ok = not out.flags
         for g, (source, slot) in enumerate(todo):
-            ticket = None
-            width = int(widths[g])
-            if width and self.host_pages is not None and not out.status:  # one fetch per source that misses
-                wanted = copy_position[:, g, :width]
-                ticket = self._issue_fetch(*self._fetch_lists(self.host_pages[:, source], wanted >= 0,
-                                                              wanted.clamp(min=0), copy_location[:, g, :width]))
-            self._resolved[source] = _Resolved(positions, locations[:, g], ticket, slot, False)
+            width = out.fetch_count[g]
+            ticket = self._issue_fetch(out.fetch_src[g, :width], out.fetch_dst[g, :width]) if width and ok else None
+            self._resolved[source] = _Resolved(positions, out.locations[g], ticket, slot, False)
+
+    def _native_slots(self) -> torch.Tensor:
+        """The step's slots as a CPU int64 tensor (made on first use)."""
+        slots = self._slot_state.get("slots")
+        if slots is None:
+            slots = self._slot_state["slots"] = torch.tensor(self.slots, dtype=torch.int64)
+        return slots
 
     def _fetch_lists(self, host_pages: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                      locations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ extern "C" {
 #endif
 
 //! Bumped whenever a signature or a layout below changes.
-#define DHS_CPU_ABI_VERSION 2
+#define DHS_CPU_ABI_VERSION 3
 
 //! Columns of `summary` rows (dhisparse::SummaryColumn).
 #define DHS_SUMMARY_STATUS 0
@@ -46,6 +46,50 @@ int32_t dhs_resolve_batch_i32(int64_t num_sources, int64_t n_select, int64_t num
     int32_t page_rows, int32_t stamp, int32_t const* positions, int32_t const* page_table, int32_t* hot_pos,
     int32_t* hot_stamp, int32_t const* hot_loc, int32_t* locations, int8_t* steps, int32_t* copy_position,
     int32_t* copy_slot, int32_t* copy_location, int32_t* summary);
+
+//! Arguments of dhs_resolve_step_i64: one KV step's resolution of G sources selected by the same positions
+//! (an index group, or one source), reading and updating the step's state where it lives. All int64; the last
+//! dimension of every strided [rows, sources, width] tensor is contiguous.
+typedef struct DhsStepArgs
+{
+    int64_t batch;          //!< B requests
+    int64_t n;              //!< N selections per request (all queries concatenated)
+    int64_t groups;         //!< G sources
+    int64_t hot_rows;       //!< H hot-cache slots per (request, source)
+    int64_t page_rows;      //!< P rows per page (arena and host store)
+    int64_t stamp;          //!< this step's stamp
+    int64_t num_pages;      //!< M pages of the page-table snapshot
+    int64_t host_num_pages; //!< pages of host_pages' last dimension
+    int64_t num_sources;    //!< S (every sources[g] must be below it)
+    int64_t num_slots;      //!< rows of the hot state and host_pages (every slots[b] must be below it)
+    int64_t table_row_stride, table_source_stride;  //!< of page_table (rows: the step's requests)
+    int64_t hot_slot_stride, hot_source_stride;     //!< of hot_pos / hot_stamp / hot_loc (rows: slots)
+    int64_t host_slot_stride, host_source_stride;   //!< of host_pages (rows: slots)
+    int64_t counts_row_stride;                      //!< of counts
+    int64_t const* positions;   //!< [B, N] selected positions, negative = unused
+    int64_t const* lengths;     //!< [B] history length of each request (every position must be below it)
+    int64_t const* sources;     //!< [G] source index of each group member
+    int64_t const* slots;       //!< [B] batch-state row (slot) of each request
+    int64_t const* page_table;  //!< [B, S, M] the step's page-table snapshot
+    int64_t* hot_pos;           //!< [slots, S, H] in/out
+    int64_t* hot_stamp;         //!< [slots, S, H] in/out
+    int64_t const* hot_loc;     //!< [slots, S, H]
+    int64_t const* host_pages;  //!< [slots, S, host_num_pages] host page ids (-1: none), or NULL (no host store)
+    int64_t* locations;         //!< [G, B, N] out: arena row of each entry, -1 where unused
+    int64_t* fetch_src;         //!< [G, B * N] out: host rows to copy, compacted per source
+    int64_t* fetch_dst;         //!< [G, B * N] out: arena rows they go to
+    int64_t* fetch_count;       //!< [G] out: copies of each source
+    int64_t* counts;            //!< [B, 3] in/out: direct / hot / host rows added per request
+} DhsStepArgs;
+
+//! Flags returned by dhs_resolve_step_i64 (or -1 for bad sizes, a source or a slot out of range).
+#define DHS_STEP_BAD_POSITION 1       //!< a position at or past its length: nothing resolved, locations -1
+#define DHS_STEP_HOT_CACHE_OVERFLOW 2 //!< a row missed more than its hot cache can take: its state untouched
+#define DHS_STEP_NO_HOST_COPY 4       //!< a missed row has no host page (not copied)
+
+//! Resolves the sources args->sources of one step with the contract of resolve_source (resolver.h) per
+//! (request, source), hot state updated in place, copy lists as host -> arena rows.
+int32_t dhs_resolve_step_i64(DhsStepArgs const* args);
 
 //! Thread blocks the CUDA gather copy uses for a batch of `batch` requests (4..32).
 int32_t dhs_copy_grid_blocks(int64_t batch);
