@@ -103,10 +103,19 @@ class StepKV(StepResolution):
         self.stamp = stamp
         device = manager.device
         pool = manager.pool
-        starts = [r.length for r in requests]
-        self.starts = to_device(starts, torch.int64, device)
-        self.lengths = to_device([n + query_len for n in starts], torch.int64, device)
-        self.max_length = max(starts) + query_len  # known on the host, no read
+        # Host-known per-request values, moved in one copy: starts, lengths, and for each new token its page index
+        # and row within the page (arena pages) and its key block and offset (indexer keys' pages).
+        batch = len(requests)
+        starts = np.fromiter((r.length for r in requests), dtype=np.int64, count=batch)
+        positions = (starts[:, None] + np.arange(query_len)).ravel()  # [B*Q], request-major
+        per_page = max(1, pool.keys_per_page)
+        values = to_device(torch.from_numpy(np.concatenate(
+            (starts, starts + query_len, *np.divmod(positions, pool.page_rows), *np.divmod(positions, per_page)))),
+            None, device)
+        bq = positions.shape[0]
+        self.starts, self.lengths = values[:batch], values[batch: 2 * batch]
+        page_index, within_page, key_block, within_key_page = values[2 * batch:].view(4, batch, query_len).unbind(0)
+        self.max_length = int(starts.max()) + query_len  # known on the host, no read
         sources = manager.layout.num_sources
         # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
         # (updated in place), else one gather per tensor (hot-cache changes are scattered back at each resolve).
@@ -131,20 +140,17 @@ class StepKV(StepResolution):
         # read sees what a read here would.
         self._slot_state: dict[str, torch.Tensor] = {}
         self._hot_before: tuple[torch.Tensor, torch.Tensor] | None = None  # for abort_step (first resolve)
-        # Arena rows of the new tokens: [B, S, Q].
-        new_pos = self.starts.unsqueeze(1)  # [B, Q]
-        if query_len > 1:
-            new_pos = new_pos + torch.arange(query_len, device=device)
-        page = table.gather(2, (new_pos // pool.page_rows).unsqueeze(1).expand(-1, sources, -1))
-        self.new_rows = page * pool.page_rows + (new_pos % pool.page_rows).unsqueeze(1)
+        # Arena rows of the new tokens, source-major [S, B, Q] (what the per-source writes index with): the pages
+        # from the snapshot, the rows within them known on the host. Negative only where a page is unmapped.
+        page = table.transpose(0, 1).gather(2, page_index.unsqueeze(0).expand(sources, -1, -1))
+        self.new_rows = page.mul_(pool.page_rows).add_(within_page)  # [S, B, Q]
         # Indexer keys live in arena pages (kv/index_keys.py): the step's key-page tables [B, L, KB] (a view or one
         # gather; they change only at admission and release) and, for writes, the page and offset of each new key.
         key_pages = batch_state.key_pages[rows]
         self._key_blocks = key_pages.shape[2]
         self._key_pages = key_pages.unbind(1)  # per indexer layer [B, KB]
-        per_page = max(1, pool.keys_per_page)
-        write_pages = key_pages.gather(2, (new_pos // per_page).unsqueeze(1).expand(-1, key_pages.shape[1], -1))
-        self._key_write = (write_pages.unbind(1), new_pos % per_page)  # per layer pages [B, Q]; offsets [B, Q]
+        write_pages = key_pages.transpose(0, 1).gather(2, key_block.unsqueeze(0).expand(key_pages.shape[1], -1, -1))
+        self._key_write = (write_pages.unbind(0), within_key_page)  # per layer pages [B, Q]; offsets [B, Q]
         # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer.
         # (One buffer per batch size, kept by the batch state and zeroed here: the previous step's report was read.)
         self._report, self.counts, self.staged, self.flags = batch_state.report_buffer(len(requests),
@@ -152,7 +158,7 @@ class StepKV(StepResolution):
         if manager.debug_checks:  # begin_step mapped every new row's tail page (its contract; "tail map" invariant)
             self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)
         # Arena rows each source's write goes to ([S, B*Q] as one view per source; an unmapped row is flagged above).
-        self._write_rows = self.new_rows.clamp(min=0).transpose(0, 1).reshape(sources, -1).unbind(0)
+        self._write_rows = self.new_rows.clamp_(min=0).view(sources, bq).unbind(0)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
