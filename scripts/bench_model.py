@@ -21,6 +21,11 @@ dense when each has a core to itself; min–max over repeats beside it) and in w
 overhead ((adaptive − dense) decode step CPU time ÷ layers). Exactness: the adaptive hierarchy's greedy tokens must
 equal the dense store's in every run, or the bench stops with an error. Absolute numbers depend on the machine;
 compare rows within one run.
+
+Options for a GPU: ``--device cuda`` (step times are then dominated by the GPU and its launches: compare the wall
+column), ``--dtype bfloat16``, ``--kernels auto|cuda|torch``. The dense reference store always attends with torch;
+with the CUDA kernels (sparse MLA) the adaptive hierarchy's bfloat16 logits round differently, so compare it with
+``--baseline resident`` (the hierarchy's fully resident policy, same kernels), whose tokens it must equal.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-POLICIES = ("dense", "adaptive")
+POLICIES = ("dense", "adaptive")  # (baseline, measured); --baseline resident replaces the first
 
 
 @dataclass
@@ -127,31 +132,37 @@ def run_lockstep(engines: dict[str, _TimedEngine], prompts: list[list[int]], dec
                 engines[p].step(started[p][0])
     for p in order:
         engines[p].finish(*started[p])
-    return {p: started[p][0] for p in POLICIES}
+    return {p: started[p][0] for p in order}
 
 
 def _load() -> str:
     return "load average " + " / ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def bench(engine: Path, name: str, repeats: int, prompt_len: int, decode_steps: int, page_rows: int = 0) -> None:
+def bench(engine: Path, name: str, repeats: int, prompt_len: int, decode_steps: int, page_rows: int = 0,
+          device: str = "cpu", kernels: str = "auto", baseline: str = "dense") -> None:
     from dhisparse import LLM
 
+    policies = (baseline, "adaptive")
+
     extra = {"page_rows": page_rows} if page_rows else {}
-    llms = {p: LLM(engine, kv_policy=p, max_batch_size=8, pool_bytes=256 << 20, **extra) for p in POLICIES}
+    llms = {p: LLM(engine, kv_policy=p, max_batch_size=8, pool_bytes=256 << 20, device=device, kernels=kernels,
+                   **extra) for p in policies}
     engines = {p: _TimedEngine(llm) for p, llm in llms.items()}
-    layers = llms["dense"].engine.model.cfg.num_hidden_layers
-    vocab = llms["dense"].vocab_size
-    print(f"\nmodel {name} ({layers} layers): prompt {prompt_len} tokens, {decode_steps} decode steps each timed, "
-          f"page_rows {llms['adaptive'].engine.cfg.page_rows}, median of {repeats} repeats, steps interleaved "
-          f"({_load()})")
+    layers = llms[baseline].engine.model.cfg.num_hidden_layers
+    vocab = llms[baseline].vocab_size
+    selection = llms["adaptive"].engine.kv.kernels
+    print(f"\nmodel {name} ({layers} layers, {llms[baseline].engine.model.dtype}) on {device}, kernels {kernels} "
+          f"({selection.name}{', native resolver' if selection.native_resolver is not None else ''}): prompt "
+          f"{prompt_len} tokens, {decode_steps} decode steps each timed, page_rows "
+          f"{llms['adaptive'].engine.cfg.page_rows}, median of {repeats} repeats, steps interleaved ({_load()})")
     print(f"{'batch':>5s} {'kv policy':10s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'step CPU ms':>12s} "
-          f"{'vs dense':>9s} {'(min-max)':>12s} {'wall':>6s} {'KV overhead / layer / step':>27s} "
+          f"{'vs ' + baseline:>9s} {'(min-max)':>12s} {'wall':>6s} {'KV overhead / layer / step':>27s} "
           f"{'direct steps':>12s}")
     for batch in (1, 8):
-        prefill: dict[str, list[float]] = {p: [] for p in POLICIES}
-        decode: dict[str, list[float]] = {p: [] for p in POLICIES}
-        step_ms: dict[str, list[float]] = {p: [] for p in POLICIES}
+        prefill: dict[str, list[float]] = {p: [] for p in policies}
+        decode: dict[str, list[float]] = {p: [] for p in policies}
+        step_ms: dict[str, list[float]] = {p: [] for p in policies}
         ratios: list[float] = []
         wall_ratios: list[float] = []
         overheads: list[float] = []
@@ -159,23 +170,23 @@ def bench(engine: Path, name: str, repeats: int, prompt_len: int, decode_steps: 
         for r in range(-1, repeats):  # repeat -1: warm-up, not counted
             g = torch.Generator().manual_seed(max(r, 0))
             prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-            runs = run_lockstep(engines, prompts, decode_steps, POLICIES if r % 2 == 0 else POLICIES[::-1])
-            if runs["adaptive"].tokens != runs["dense"].tokens:
+            runs = run_lockstep(engines, prompts, decode_steps, policies if r % 2 == 0 else policies[::-1])
+            if runs["adaptive"].tokens != runs[baseline].tokens:
                 raise SystemExit(f"{name} batch {batch} repeat {r}: the adaptive hierarchy's tokens differ from "
-                                 "the dense reference store's")
+                                 f"the {baseline} baseline's")
             if r < 0:
                 continue
             for p, run in runs.items():
                 prefill[p].append(batch * prompt_len / run.prefill_s)
                 decode[p].append(run.decode_tokens / sum(run.decode_wall_s))
                 step_ms[p].append(run.step_cpu_s * 1e3)
-            dense, adaptive = runs["dense"], runs["adaptive"]
+            dense, adaptive = runs[baseline], runs["adaptive"]
             ratios.append(dense.step_cpu_s / adaptive.step_cpu_s)
             wall_ratios.append(dense.step_wall_s / adaptive.step_wall_s)
             overheads.append((adaptive.step_cpu_s - dense.step_cpu_s) / layers)
             direct[0] += adaptive.direct_steps
             direct[1] += len(adaptive.decode_cpu_s)
-        for p in POLICIES:
+        for p in policies:
             extra_cols = ""
             if p == "adaptive":
                 spread = f"({min(ratios):.2f}-{max(ratios):.2f})"
@@ -183,7 +194,7 @@ def bench(engine: Path, name: str, repeats: int, prompt_len: int, decode_steps: 
                               f"{statistics.median(overheads) * 1e6:24.0f} us {direct[0] / direct[1]:12.0%}")
             print(f"{batch:5d} {p:10s} {statistics.median(prefill[p]):14.0f} {statistics.median(decode[p]):13.0f} "
                   f"{statistics.median(step_ms[p]):12.2f} {extra_cols}", flush=True)
-    print(f"tokens: adaptive == dense in every run ({_load()})")
+    print(f"tokens: adaptive == {baseline} in every run ({_load()})")
 
 
 def main() -> None:
@@ -196,12 +207,19 @@ def main() -> None:
     ap.add_argument("--page-rows", type=int, default=0,
                     help="KV page size (0: the default); with pages smaller than the decode steps, decode pages leave "
                          "the tail and every later step runs the full resolver (hot cache, host fetches)")
+    ap.add_argument("--device", default="cpu", help="engine device (cpu, cuda); on a GPU compare the wall column")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "cuda", "torch"))
+    ap.add_argument("--baseline", default="dense", choices=("dense", "resident"),
+                    help="the engine compared against: the dense reference store (torch attention, whatever the "
+                         "kernels) or the hierarchy's fully resident policy (same kernels as the adaptive one)")
+    ap.add_argument("--dtype", default="float32", help="weights and activations of the built tiny models")
     args = ap.parse_args()
     if args.repeats < 1 or args.decode_steps < 1:
         ap.error("--repeats and --decode-steps must be at least 1")
     torch.set_num_threads(1)
     if args.engine is not None:
-        bench(args.engine, str(args.engine), args.repeats, args.prompt_len, args.decode_steps, args.page_rows)
+        bench(args.engine, str(args.engine), args.repeats, args.prompt_len, args.decode_steps, args.page_rows,
+              args.device, args.kernels, args.baseline)
         return
     from tiny_models import make_checkpoint
 
@@ -209,9 +227,10 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp())
     for name in args.models:
-        engine = build_engine(BuildOptions(make_checkpoint(tmp, name), tmp / f"engine-{name}", {"dtype": "float32"}),
+        engine = build_engine(BuildOptions(make_checkpoint(tmp, name), tmp / f"engine-{name}", {"dtype": args.dtype}),
                               progress=lambda d, t: None)
-        bench(engine, name, args.repeats, args.prompt_len, args.decode_steps, args.page_rows)
+        bench(engine, name, args.repeats, args.prompt_len, args.decode_steps, args.page_rows, args.device,
+              args.kernels, args.baseline)
 
 
 if __name__ == "__main__":
