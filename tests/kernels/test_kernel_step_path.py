@@ -30,6 +30,7 @@ class DevicePathStandIn(TorchKernels):
 
     def __init__(self) -> None:
         self.calls = {"resolve_padded": 0, "copy_rows": 0, "sparse_mla": 0}
+        self.hosts: list[torch.Tensor] = []  # what each row copy read from
 
     def resolve_padded(self, *args, **kwargs):
         self.calls["resolve_padded"] += 1
@@ -37,6 +38,7 @@ class DevicePathStandIn(TorchKernels):
 
     def copy_rows(self, host_rows, device_rows, src_rows, dst_rows, stream=None) -> None:
         self.calls["copy_rows"] += 1
+        self.hosts.append(host_rows)
         keep = src_rows >= 0
         device_rows[dst_rows[keep]] = host_rows[src_rows[keep]]
 
@@ -80,6 +82,38 @@ def test_device_path_gives_the_torch_path_tokens_and_statistics(tiny_engine, sta
     assert now["kv_rows_host"] > 0  # the fetch path really ran
     assert all(count > 0 for count in standin.calls.values()), standin.calls
     assert standin.calls["resolve_padded"] == now["kv_resolver_calls"]
+    llm.engine.kv.poll()
+    llm.engine.kv.check_invariants()
+
+
+def test_device_path_reads_a_many_chunk_host_store_with_one_launch_per_fetch(tiny_engine, standin,
+                                                                             monkeypatch) -> None:
+    """A host store of many small chunks (at real scale: 64 MiB chunks, hundreds of GB): each fetch is one row-copy
+    launch over the store's mapped view (every chunk as one span), its rows translated to span rows on the device
+    — not one launch per chunk — and the tokens and statistics stay the torch path's."""
+    from dhisparse.kv import host_store
+
+    defaults = host_store.HostStore.__init__.__defaults__
+    monkeypatch.setattr(host_store.HostStore.__init__, "__defaults__", (*defaults[:-1], 4 << 10))  # 4 KiB chunks
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    prompts = random_prompts([9, 61, 40], 96, seed=5)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    options = {"kv_policy": "adaptive", "page_rows": 4, "refill_pages_per_step": 2}
+    probe = LLM(engine_dir, kernels="torch", **options)
+    pool = 2 * probe.engine.kv.required_bytes(61, 8)
+    ref_llm = LLM(engine_dir, kernels="torch", pool_bytes=pool, **options)
+    expected = [o.token_ids for o in ref_llm.generate(prompts, params)]
+    llm = LLM(engine_dir, pool_bytes=pool, **options)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    ref, now = ref_llm.stats(), llm.stats()
+    for name in ("kv_rows_direct", "kv_rows_hot", "kv_rows_host", "kv_resolver_calls"):
+        assert now[name] == ref[name], name
+    store = llm.engine.kv.host.rows
+    assert len(store.chunks) > 8 and now["kv_rows_host"] > 0
+    span = store.mapped(torch.device("cpu")).span
+    assert 0 < standin.calls["copy_rows"] <= standin.calls["resolve_padded"]  # one launch per fetch, not per chunk
+    assert all(h.data_ptr() == span.data_ptr() and h.shape == span.shape for h in standin.hosts)
     llm.engine.kv.poll()
     llm.engine.kv.check_invariants()
 

@@ -96,9 +96,12 @@ class CudaKernels:
                   dst_rows: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
         """``device_rows[dst[r, i]] = host_rows[src[r, i]]`` where ``src >= 0``, read straight from pinned
         ``host_rows`` by copy_grid_blocks(R) blocks (4..32). ``src_rows`` / ``dst_rows`` ``[R, M]`` on the
-        device. Asynchronous on ``stream``; the caller keeps every tensor alive until it completes."""
-        if not host_rows.is_pinned():
-            raise ValueError("copy_rows: host_rows must be pinned host memory (the kernel reads it over UVA)")
+        device. ``host_rows`` may also be a tensor on ``device_rows``' device: the host store's mapped view
+        (``kv.mapped_host``, a device tensor aliasing pinned chunks at their host addresses) or device memory.
+        Asynchronous on ``stream``; the caller keeps every tensor alive until it completes."""
+        if not host_rows.is_pinned() and host_rows.device != device_rows.device:
+            raise ValueError("copy_rows: host_rows must be pinned host memory (the kernel reads it over UVA) or a "
+                             "tensor on the destination's device (the host store's mapped view)")
         args = abi.pack_row_copy(host_rows, device_rows, src_rows, dst_rows)
         self._check("row copy", self._lib.dhs_cuda_launch_row_copy(ctypes.byref(args), self._stream(stream)))
 

@@ -12,9 +12,10 @@ shared layers' rows are copied ahead on the copy stream while the current layer 
 2. the missing rows' host indices are computed on the device from the request's host pages
    (``host_page * P + position % P``, ``-1`` where there is nothing to copy);
 3. one row-copy kernel launch on the copy stream (``CopyEngine.issue_gather``, after the current stream's
-   work) reads them from pinned host memory into their hot-cache slots; the resolver's status column is
-   copied to pinned memory in the same stream order and checked when the ticket completes (a hot-cache
-   overflow raises :class:`HotCacheOverflowError` then, at the latest in ``end_step``);
+   work) reads them from pinned host memory into their hot-cache slots — through the host store's mapped view
+   when it has several chunks, so one launch whatever their number (:func:`_host_source`); the resolver's
+   status column is copied to pinned memory in the same stream order and checked when the ticket completes
+   (a hot-cache overflow raises :class:`HotCacheOverflowError` then, at the latest in ``end_step``);
 4. readers make the current stream wait for the copy's event (``CopyEngine.wait_for_read``) instead of
    synchronising the host.
 """
@@ -86,10 +87,27 @@ def resolve_on_device(step: StepKV, manager: StepParts, source: int, positions: 
                 f"request row {row} (source {source}): the resolver kernel found more missing rows than its "
                 f"hot cache of {step.hot_pos.shape[2]} slots can take; raise hot_rows (B)")
 
-    ticket = manager.copies.issue_gather("fetch", manager.pool.arena, out["copy_location"], manager.host.rows,
-                                         src_rows, _per_chunk(kernels.copy_rows, manager.host.rows),
+    host, src_rows, launch = _host_source(kernels.copy_rows, manager.host.rows, src_rows, flat.device)
+    ticket = manager.copies.issue_gather("fetch", manager.pool.arena, out["copy_location"], host, src_rows, launch,
                                          on_done=check_status, watch=status)
     return resolution, ticket
+
+
+def _host_source(launch: Callable[..., None], host: object, src_rows: torch.Tensor, device: torch.device
+                 ) -> tuple[object, torch.Tensor, Callable[..., None]]:
+    """What the row-copy kernel reads the host rows ``src_rows`` (global host rows, ``-1`` = none) from: a store
+    of one chunk directly; a store of several chunks through its mapped view (``ChunkedRows.mapped``: every chunk
+    as one span aliasing the pinned memory), the rows translated to span rows on the device — **one launch
+    whatever the number of chunks**; only where no such view exists, one launch per chunk (``_per_chunk``)."""
+    chunks = getattr(host, "chunks", None)
+    if chunks is None or len(chunks) <= 1:
+        return (chunks[0] if chunks else host), src_rows, launch
+    mapped = host.mapped(device)  # type: ignore[attr-defined]
+    if mapped is None:
+        return host, src_rows, _per_chunk(launch, host)
+    chunk = src_rows.clamp(min=0) // mapped.chunk_rows
+    span_rows = mapped.first_row[chunk] + (src_rows - chunk * mapped.chunk_rows)
+    return mapped.span, torch.where(src_rows >= 0, span_rows, -1), launch
 
 
 def _per_chunk(launch: Callable[..., None], host: object) -> Callable[..., None]:
