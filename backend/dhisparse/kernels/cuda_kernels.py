@@ -99,7 +99,7 @@ class CudaKernels:
         device. ``host_rows`` may also be a tensor on ``device_rows``' device: the host store's mapped view
         (``kv.mapped_host``, a device tensor aliasing pinned chunks at their host addresses) or device memory.
         Asynchronous on ``stream``; the caller keeps every tensor alive until it completes."""
-        if not host_rows.is_pinned() and host_rows.device != device_rows.device:
+        if not host_rows.is_pinned() and not (host_rows.is_cuda and host_rows.device == device_rows.device):
             raise ValueError("copy_rows: host_rows must be pinned host memory (the kernel reads it over UVA) or a "
                              "tensor on the destination's device (the host store's mapped view)")
         args = abi.pack_row_copy(host_rows, device_rows, src_rows, dst_rows)
