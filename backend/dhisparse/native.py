@@ -24,8 +24,8 @@ from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 ABI_VERSION = 3
 STATUS_HOT_CACHE_TOO_SMALL = 1
 # Flags of resolve_step (DHS_STEP_* in c_api.h).
-STEP_BAD_POSITION, STEP_HOT_CACHE_OVERFLOW, STEP_NO_HOST_COPY = 1, 2, 4
-_STEP_ARGS = 31  # int64 fields of DhsStepArgs
+STEP_BAD_POSITION, STEP_HOT_CACHE_OVERFLOW, STEP_NO_HOST_COPY, STEP_UNMAPPED = 1, 2, 4, 8
+_STEP_ARGS = 32  # int64 fields of DhsStepArgs
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
 
@@ -183,7 +183,7 @@ def _strided(name: str, t: torch.Tensor, rows: int, sources: int) -> None:
 def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tensor, sources: torch.Tensor,
                  slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
                  hot_loc: torch.Tensor, host_pages: torch.Tensor | None, counts: torch.Tensor, stamp: int,
-                 page_rows: int) -> StepOutputs:
+                 page_rows: int, direct_only: bool = False) -> StepOutputs:
     """One KV step's resolution of the sources ``sources [G]`` selected by the same ``positions [B, N]`` (an index
     group, or one source), by one library call (``dhs_resolve_step_i64``, the contract of ``resolver.h`` per
     request and source): the step's state is read where it lives — the page-table snapshot ``[B, S, M]`` by
@@ -191,6 +191,9 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
     request's slot ``slots [B]`` — and each request's direct / hot / host counts are added to ``counts [B, 3]``.
     Nothing is resolved when a position is at or past its request's ``lengths`` (flag ``STEP_BAD_POSITION``); a
     request whose misses overflow its hot cache keeps its state (``STEP_HOT_CACHE_OVERFLOW``, its locations -1).
+    With ``direct_only`` (a step whose every request's history is direct) the call is resolver step 1 alone:
+    page-table locations, each request's distinct valid positions counted as direct, the hot state untouched, no
+    copies; a position whose page is not mapped gets -1 and the flag ``STEP_UNMAPPED``.
     All tensors int64 on the CPU; the 3-D ones need a contiguous last dimension (checked, as are the sizes)."""
     batch, n = positions.shape
     groups = sources.shape[0]
@@ -215,7 +218,7 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
     host = host_pages if host_pages is not None else hot_pos  # strides only; the pointer passed is NULL
     args = (ctypes.c_int64 * _STEP_ARGS)(
         batch, n, groups, hot_pos.shape[2], page_rows, stamp, page_table.shape[2], host.shape[2],
-        num_sources, hot_pos.shape[0],
+        num_sources, hot_pos.shape[0], int(direct_only),
         page_table.stride(0), page_table.stride(1), hot_pos.stride(0), hot_pos.stride(1),
         host.stride(0), host.stride(1), counts.stride(0),
         positions.data_ptr(), lengths.data_ptr(), sources.data_ptr(), slots.data_ptr(), page_table.data_ptr(),

@@ -12,8 +12,8 @@ namespace
 {
 
 // Every field of DhsStepArgs is 8 bytes, in declaration order (native.py packs it as an int64 array).
-static_assert(sizeof(DhsStepArgs) == 31 * sizeof(int64_t), "DhsStepArgs layout");
-static_assert(offsetof(DhsStepArgs, counts) == 30 * sizeof(int64_t), "DhsStepArgs layout");
+static_assert(sizeof(DhsStepArgs) == 32 * sizeof(int64_t), "DhsStepArgs layout");
+static_assert(offsetof(DhsStepArgs, counts) == 31 * sizeof(int64_t), "DhsStepArgs layout");
 
 template <typename Idx>
 int32_t resolve_batch(int64_t num_sources, int64_t n, int64_t num_pages, int64_t hot_rows, Idx page_rows,
@@ -76,6 +76,47 @@ struct Strided3
     }
 };
 
+//! Step 1 alone for every (request, source) of a step whose whole history is direct (sizes checked by the caller).
+int32_t resolve_step_direct(DhsStepArgs const& a)
+{
+    int64_t const n = a.n;
+    int32_t flags = 0;
+    std::vector<int64_t> distinct(static_cast<size_t>(n));
+    Strided3 const table{const_cast<int64_t*>(a.page_table), a.table_row_stride, a.table_source_stride};
+    for (int64_t b = 0; b < a.batch; ++b)
+    {
+        int64_t const* const selection = a.positions + b * n;
+        int64_t valid = 0;
+        for (int64_t i = 0; i < n; ++i)
+        {
+            if (selection[i] >= 0)
+            {
+                distinct[static_cast<size_t>(valid++)] = selection[i];
+            }
+        }
+        dhisparse::heap_sort(distinct.data(), valid);
+        int64_t unique = 0;
+        for (int64_t i = 0; i < valid; ++i)
+        {
+            unique += (i == 0 || distinct[static_cast<size_t>(i)] != distinct[static_cast<size_t>(i - 1)]) ? 1 : 0;
+        }
+        for (int64_t g = 0; g < a.groups; ++g)
+        {
+            dhisparse::SourceView<int64_t> const view{a.page_rows, a.stamp, table.at(b, a.sources[g]), a.num_pages,
+                nullptr, nullptr, nullptr, 0};
+            int64_t* const out = a.locations + (g * a.batch + b) * n;
+            for (int64_t i = 0; i < n; ++i)
+            {
+                int64_t const loc = selection[i] >= 0 ? dhisparse::direct_location(view, selection[i]) : -1;
+                flags |= (selection[i] >= 0 && loc < 0) ? DHS_STEP_UNMAPPED : 0;
+                out[i] = loc;
+            }
+            a.counts[b * a.counts_row_stride] += unique;
+        }
+    }
+    return flags;
+}
+
 int32_t resolve_step(DhsStepArgs const& a)
 {
     if (a.batch < 0 || a.n < 0 || a.groups < 0 || a.hot_rows < 0 || a.hot_rows >= (int64_t{1} << 24)
@@ -121,6 +162,10 @@ int32_t resolve_step(DhsStepArgs const& a)
             a.locations[i] = -1;
         }
         return flags;
+    }
+    if (a.direct_only != 0)
+    {
+        return flags | resolve_step_direct(a);
     }
     std::vector<int64_t> union_positions(static_cast<size_t>(n));
     std::vector<int64_t> union_locations(static_cast<size_t>(n));

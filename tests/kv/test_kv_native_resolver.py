@@ -63,12 +63,13 @@ def _step_state(num_slots: int = 3, sources: int = 2, pages: int = 4, page_rows:
     return table, hot_pos, hot_stamp, hot_loc, host_pages
 
 
-def _resolve_step(positions, lengths, slots, state, sources=(0, 1), page_rows=4, host=True):
+def _resolve_step(positions, lengths, slots, state, sources=(0, 1), page_rows=4, host=True, direct=False):
     table, hot_pos, hot_stamp, hot_loc, host_pages = state
     counts = torch.zeros(len(slots), 3, dtype=torch.int64)
     out = native.resolve_step(native.load(), torch.tensor(positions), torch.tensor(lengths), torch.tensor(sources),
                               torch.tensor(slots), table[[min(s, len(table) - 1) for s in slots]], hot_pos,
-                              hot_stamp, hot_loc, host_pages if host else None, counts, 5, page_rows)
+                              hot_stamp, hot_loc, host_pages if host else None, counts, 5, page_rows,
+                              direct_only=direct)
     return out, counts
 
 
@@ -108,6 +109,25 @@ def test_step_resolution_flags_bad_positions_overflow_and_rows_without_a_host_co
     assert out.flags == native.STEP_NO_HOST_COPY and out.fetch_count == [1, 0]
     out, _ = _resolve_step([[9]], [16], [1], _step_state(), host=False)  # no host store at all
     assert out.flags == native.STEP_NO_HOST_COPY
+
+
+def test_direct_step_resolution_looks_pages_up_and_leaves_the_hot_cache_alone() -> None:
+    """``direct_only`` (a step whose whole history is direct): page-table locations, distinct valid positions counted
+    as direct per request and source, no copies, the hot state untouched; an unmapped page is flagged, not fetched."""
+    state = _step_state()
+    table, hot_pos, hot_stamp = state[0], state[1], state[2]
+    before = (hot_pos.clone(), hot_stamp.clone())
+    out, counts = _resolve_step([[1, 6, 6, -1], [7, 0, -1, -1]], [16, 16], [2, 0], state, direct=True)
+    assert out.flags == 0 and out.fetch_count == [0, 0]
+    for g in range(2):
+        assert out.locations[g, 0].tolist() == [int(table[2, g, 0]) * 4 + 1, int(table[2, g, 1]) * 4 + 2,
+                                                int(table[2, g, 1]) * 4 + 2, -1]
+        assert out.locations[g, 1].tolist() == [int(table[0, g, 1]) * 4 + 3, int(table[0, g, 0]) * 4, -1, -1]
+    assert counts.tolist() == [[4, 0, 0], [4, 0, 0]]  # two distinct positions each, two sources
+    assert torch.equal(hot_pos, before[0]) and torch.equal(hot_stamp, before[1])
+    out, counts = _resolve_step([[1, 9]], [16], [1], state, direct=True)  # page 2 is not in the arena
+    assert out.flags == native.STEP_UNMAPPED and out.locations[0, 0, 1] == -1 and out.fetch_count == [0, 0]
+    assert torch.equal(hot_pos, before[0])
 
 
 @pytest.mark.parametrize("bad", ["slot", "source", "layout", "dtype"])

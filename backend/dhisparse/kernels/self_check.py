@@ -113,7 +113,8 @@ def check_resolver(kernels: Any, device: torch.device, g: torch.Generator, cases
 def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, cases: int = 3) -> list[CheckResult]:
     """The native library's whole-step resolution (``native.resolve_step``: an index group's sources for a batch
     whose requests sit in scattered slots of the batch state) against the torch resolver run per request and
-    source: locations, the hot state left in the slots, the counts and each source's host → arena copy list."""
+    source: locations, the hot state left in the slots, the counts and each source's host → arena copy list; and its
+    direct-only form (page-table lookups of a fully mapped table) against what ``resolve`` finds there."""
     from dhisparse.kv.resolver import resolve
 
     results = []
@@ -160,6 +161,21 @@ def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, case
                 break
         if problem is None and got_fetch != want_fetch:
             problem = "copy lists differ from the reference"
+        if problem is None:  # direct_only on the same positions over a fully mapped table: what resolve() finds
+            full = torch.randperm(batch * sources * pages, generator=g).view(batch, sources, pages)
+            direct_counts = torch.zeros(batch, 3, dtype=torch.int64)
+            got = native_module.resolve_step(lib, positions, torch.full((batch,), pages * page_rows), chosen, slots,
+                                             full, hot_pos, hot_stamp, hot_loc, host_pages, direct_counts, 7,
+                                             page_rows, direct_only=True)
+            for gi, source in enumerate(chosen.tolist()):
+                res = resolve(positions, full[:, source], hot_pos[slots, source], hot_stamp[slots, source],
+                              hot_loc[slots, source], 7, page_rows)
+                if got.flags or not torch.equal(got.locations[gi], res.locations):
+                    problem = "direct-only locations differ from the reference"
+                direct_counts[:, 0] -= res.counts[:, 0]
+            if problem is None and (direct_counts.any() or any(got.fetch_count) or not torch.equal(hot_pos, want_pos)
+                                    or not torch.equal(hot_stamp, want_stamp)):
+                problem = "direct-only counts, copies or hot state differ from the reference"
         results.append(CheckResult("step_resolution", f"B={batch} S={sources} G={groups} N={n} M={pages} "
                                    f"P={page_rows} H={hot_rows} slots={num_slots}", problem))
     return results

@@ -205,23 +205,24 @@ class StepResolution:
         for g, (source, slot) in enumerate(todo):
             self._resolved[source] = _Resolved(positions, locations[g], tickets[g], slot, False)
 
-    def _resolve_native(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
+    def _resolve_native(self, todo: list[tuple[int, int]], positions: torch.Tensor, direct: bool = False) -> None:
         """The sources ``todo`` (no verification staging) resolved by one call of the native CPU library (a CPU
         device; ``kernels.native_resolver``): the same results as the torch resolver (checked at start-up). The call
         reads the step's state where it lives (page-table snapshot by request; hot state and host page ids in the
         batch state's slots, the hot state updated there in place), adds the counts into the step's report and
         returns each source's copy list as host → arena rows with its length, which a CPU call's caller may read: a
         source that misses nothing issues no fetch, one that does copies exactly its rows. The position check is
-        the call's too; the checks stay flags settled by ``report``, as on the torch path."""
+        the call's too; the checks stay flags settled by ``report``, as on the torch path. ``direct``: a direct step
+        (see :meth:`_resolve_direct`): page-table lookups only, the hot state untouched."""
         m, batch = self._m, len(self.requests)
         state = self._batch
         out = native.resolve_step(m.kernels.native_resolver, positions.reshape(batch, -1).contiguous(), self.lengths,
                                   _native_sources(tuple(s for s, _ in todo)), self._native_slots(), self.page_table,
                                   state.hot_pos, state.hot_stamp, state.hot_loc,
                                   state.host_pages if m.uses_host else None, self.counts, self.stamp,
-                                  m.pool.page_rows)
+                                  m.pool.page_rows, direct_only=direct)
         self.resolver_calls += len(todo)
-        if self._scatter is not None:  # the step's gathered copies of the hot state are stale: read again on use
+        if self._scatter is not None and not direct:  # the step's gathered hot state is stale: read again on use
             self._slot_state.pop("hot_pos", None)
             self._slot_state.pop("hot_stamp", None)
         if out.flags:
@@ -232,6 +233,8 @@ class StepResolution:
                 self._flag(FLAG_BAD_POSITION, torch.ones((), dtype=torch.bool), ValueError)
             if out.flags & native.STEP_HOT_CACHE_OVERFLOW:
                 self._flag(FLAG_OVERFLOW, torch.ones((), dtype=torch.bool), HotCacheOverflowError)
+            if out.flags & native.STEP_UNMAPPED:
+                self._flag(FLAG_UNMAPPED, torch.ones((), dtype=torch.bool), RuntimeError)
         ok = not out.flags
         for g, (source, slot) in enumerate(todo):
             width = out.fetch_count[g]
@@ -275,7 +278,12 @@ class StepResolution:
         ``positions``), for a step whose every request has its whole history direct (decided on the host at
         ``begin_step``): a page-table lookup giving the locations :func:`resolve` would, which would find every
         position direct and leave the hot cache untouched. Its checks (position past the length, unmapped page) and
-        its counts are deferred to :meth:`report`, done once for every direct resolution of the step."""
+        its counts are deferred to :meth:`report`, done once for every direct resolution of the step. With the native
+        CPU library the lookup, its checks and its counts are one call (``native.resolve_step(direct_only=True)``),
+        nothing deferred."""
+        if self._m.kernels.native_resolver is not None:
+            self._resolve_native(todo, positions, direct=True)
+            return
         page_rows = self._m.pool.page_rows
         flat = positions.reshape(len(self.requests), -1)
         table = self.page_table[:, _source_index([s for s, _ in todo], self._m.device)]  # [B, G, M]

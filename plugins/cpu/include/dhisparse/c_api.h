@@ -62,6 +62,7 @@ typedef struct DhsStepArgs
     int64_t host_num_pages; //!< pages of host_pages' last dimension
     int64_t num_sources;    //!< S (every sources[g] must be below it)
     int64_t num_slots;      //!< rows of the hot state and host_pages (every slots[b] must be below it)
+    int64_t direct_only;    //!< 1: page-table lookups only (a step whose whole history is direct), hot state untouched
     int64_t table_row_stride, table_source_stride;  //!< of page_table (rows: the step's requests)
     int64_t hot_slot_stride, hot_source_stride;     //!< of hot_pos / hot_stamp / hot_loc (rows: slots)
     int64_t host_slot_stride, host_source_stride;   //!< of host_pages (rows: slots)
@@ -86,9 +87,11 @@ typedef struct DhsStepArgs
 #define DHS_STEP_BAD_POSITION 1       //!< a position at or past its length: nothing resolved, locations -1
 #define DHS_STEP_HOT_CACHE_OVERFLOW 2 //!< a row missed more than its hot cache can take: its state untouched
 #define DHS_STEP_NO_HOST_COPY 4       //!< a missed row has no host page (not copied)
+#define DHS_STEP_UNMAPPED 8           //!< direct_only: a selected position's page is not mapped (location -1)
 
 //! Resolves the sources args->sources of one step with the contract of resolve_source (resolver.h) per
-//! (request, source), hot state updated in place, copy lists as host -> arena rows.
+//! (request, source), hot state updated in place, copy lists as host -> arena rows. With direct_only, step 1
+//! alone: each entry's page-table location, the distinct valid positions counted as direct, no copies.
 int32_t dhs_resolve_step_i64(DhsStepArgs const* args);
 
 //! Thread blocks the CUDA gather copy uses for a batch of `batch` requests (4..32).
