@@ -51,6 +51,8 @@ def load() -> ctypes.CDLL | None:
     lib.dhs_resolve_batch_i64.argtypes = [i64] * 6 + [ptr] * 11
     lib.dhs_resolve_step_i64.restype = ctypes.c_int32
     lib.dhs_resolve_step_i64.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.dhs_step_setup_i64.restype = ctypes.c_int32
+    lib.dhs_step_setup_i64.argtypes = [ctypes.POINTER(ctypes.c_int64)]
     lib.dhs_copy_grid_blocks.restype = ctypes.c_int32
     lib.dhs_copy_grid_blocks.argtypes = [i64]
     return lib
@@ -173,10 +175,10 @@ class StepOutputs(NamedTuple):
     flags: int
 
 
-def _strided(name: str, t: torch.Tensor, rows: int, sources: int) -> None:
+def _strided(name: str, t: torch.Tensor, rows: int, sources: int, call: str = "resolve_step") -> None:
     if (t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 3 or t.stride(2) != 1 or t.shape[0] < rows
             or t.shape[1] < sources):
-        raise ValueError(f"resolve_step: {name} must be a CPU int64 [rows, sources, width] tensor with a "
+        raise ValueError(f"{call}: {name} must be a CPU int64 [rows, sources, width] tensor with a "
                          f"contiguous last dimension, got {t.dtype} {list(t.shape)} strides {t.stride()}")
 
 
@@ -230,3 +232,29 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
     if flags < 0:
         raise ValueError("resolve_step: the library rejected the sizes, the stamp, a source or a slot")
     return StepOutputs(locations, fetch[0], fetch[1], fetch_count.tolist(), flags)
+
+
+def step_setup(lib: ctypes.CDLL, starts: list[int], slots: list[int], page_table: torch.Tensor,
+               key_pages: torch.Tensor, width: int, query_len: int, page_rows: int, keys_per_page: int
+               ) -> tuple[torch.Tensor, int]:
+    """A KV step's per-step values from the batch state by one library call (``dhs_step_setup_i64``): one int64
+    vector holding starts ``[B]``, lengths ``[B]``, the page-table snapshot ``[B, S, width]`` of the requests'
+    slots, the new tokens' arena rows ``[S, B, Q]`` (0 where unmapped), their key pages ``[L, B, Q]`` and offsets
+    within the page ``[B, Q]``; and the flags (``STEP_UNMAPPED`` when a new token's page is not mapped).
+    ``page_table [slots, S, M]`` / ``key_pages [slots, L, KB]``: CPU int64 with a contiguous last dimension."""
+    _strided("page_table", page_table, 1, 0, "step_setup")
+    _strided("key_pages", key_pages, 1, 0, "step_setup")
+    batch, sources, indexers = len(starts), page_table.shape[1], key_pages.shape[1]
+    bq = batch * query_len
+    out = torch.empty(2 * batch + batch * sources * width + (sources + indexers + 1) * bq, dtype=torch.int64)
+    starts_c, slots_c = (ctypes.c_int64 * batch)(*starts), (ctypes.c_int64 * batch)(*slots)
+    args = (ctypes.c_int64 * 19)(
+        batch, query_len, sources, indexers, page_rows, keys_per_page, width, page_table.shape[0],
+        page_table.shape[2], key_pages.shape[2], page_table.stride(0), page_table.stride(1), key_pages.stride(0),
+        key_pages.stride(1), ctypes.addressof(starts_c), ctypes.addressof(slots_c), page_table.data_ptr(),
+        key_pages.data_ptr() if indexers else 0, out.data_ptr(),
+    )  # fmt: skip
+    flags = int(lib.dhs_step_setup_i64(args))
+    if flags < 0:
+        raise ValueError("step_setup: the library rejected the sizes, a slot, a page or a key block")
+    return out, flags

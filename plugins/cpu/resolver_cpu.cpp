@@ -14,6 +14,8 @@ namespace
 // Every field of DhsStepArgs is 8 bytes, in declaration order (native.py packs it as an int64 array).
 static_assert(sizeof(DhsStepArgs) == 32 * sizeof(int64_t), "DhsStepArgs layout");
 static_assert(offsetof(DhsStepArgs, counts) == 31 * sizeof(int64_t), "DhsStepArgs layout");
+static_assert(sizeof(DhsSetupArgs) == 19 * sizeof(int64_t), "DhsSetupArgs layout");
+static_assert(offsetof(DhsSetupArgs, out) == 18 * sizeof(int64_t), "DhsSetupArgs layout");
 
 template <typename Idx>
 int32_t resolve_batch(int64_t num_sources, int64_t n, int64_t num_pages, int64_t hot_rows, Idx page_rows,
@@ -233,6 +235,69 @@ int32_t resolve_step(DhsStepArgs const& a)
     return flags;
 }
 
+int32_t step_setup(DhsSetupArgs const& a)
+{
+    if (a.batch < 0 || a.query_len < 1 || a.num_sources < 0 || a.indexers < 0 || a.page_rows <= 0
+        || a.keys_per_page <= 0 || a.width < 0 || a.width > a.table_pages || (a.indexers > 0 && a.key_pages == nullptr))
+    {
+        return -1;
+    }
+    int64_t const b_count = a.batch;
+    int64_t const q_count = a.query_len;
+    int64_t const bq = b_count * q_count;
+    int64_t* const starts = a.out;
+    int64_t* const lengths = a.out + b_count;
+    int64_t* const snapshot = lengths + b_count;
+    int64_t* const rows = snapshot + b_count * a.num_sources * a.width;
+    int64_t* const key_write = rows + a.num_sources * bq;
+    int64_t* const key_within = key_write + a.indexers * bq;
+    int32_t flags = 0;
+    for (int64_t b = 0; b < b_count; ++b)
+    {
+        int64_t const slot = a.slots[b];
+        int64_t const start = a.starts[b];
+        if (slot < 0 || slot >= a.num_slots || start < 0)
+        {
+            return -1;
+        }
+        starts[b] = start;
+        lengths[b] = start + q_count;
+        for (int64_t s = 0; s < a.num_sources; ++s)
+        {
+            int64_t const* const table = a.page_table + slot * a.table_slot_stride + s * a.table_source_stride;
+            int64_t* const copy = snapshot + (b * a.num_sources + s) * a.width;
+            for (int64_t m = 0; m < a.width; ++m)
+            {
+                copy[m] = table[m];
+            }
+            for (int64_t q = 0; q < q_count; ++q)
+            {
+                int64_t const pos = start + q;
+                int64_t const page = pos / a.page_rows;
+                int64_t const arena_page = page < a.width ? copy[page] : -1;
+                flags |= arena_page < 0 ? DHS_STEP_UNMAPPED : 0;
+                rows[(s * b_count + b) * q_count + q] = arena_page < 0 ? 0 : arena_page * a.page_rows + pos % a.page_rows;
+            }
+        }
+        for (int64_t q = 0; q < q_count; ++q)
+        {
+            int64_t const pos = start + q;
+            int64_t const block = pos / a.keys_per_page;
+            if (a.indexers > 0 && block >= a.key_blocks)
+            {
+                return -1;
+            }
+            key_within[b * q_count + q] = pos % a.keys_per_page;
+            for (int64_t l = 0; l < a.indexers; ++l)
+            {
+                key_write[(l * b_count + b) * q_count + q]
+                    = a.key_pages[slot * a.key_slot_stride + l * a.key_layer_stride + block];
+            }
+        }
+    }
+    return flags;
+}
+
 } // namespace
 
 extern "C" {
@@ -263,6 +328,11 @@ int32_t dhs_resolve_batch_i32(int64_t num_sources, int64_t n_select, int64_t num
 int32_t dhs_resolve_step_i64(DhsStepArgs const* args)
 {
     return args == nullptr ? -1 : resolve_step(*args);
+}
+
+int32_t dhs_step_setup_i64(DhsSetupArgs const* args)
+{
+    return args == nullptr ? -1 : step_setup(*args);
 }
 
 int32_t dhs_copy_grid_blocks(int64_t batch)

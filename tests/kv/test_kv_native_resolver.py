@@ -130,6 +130,40 @@ def test_direct_step_resolution_looks_pages_up_and_leaves_the_hot_cache_alone() 
     assert torch.equal(hot_pos, before[0])
 
 
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_native_step_setup_gives_the_torch_set_up(query_len) -> None:
+    """``StepKV``'s set-up by the library (``native.step_setup``) against the torch set-up on the same state:
+    starts, lengths, the page-table snapshot, the new rows each source's write goes to and the indexer keys'
+    pages and offsets — requests of different lengths in scattered, out-of-order slots."""
+    import dataclasses
+
+    from dhisparse.kernels.selection import torch_selection
+    from dhisparse.kv.step import StepKV
+    from dhisparse.kv.tail import map_tail_pages
+
+    m = make_manager(make_layout("glm"), "adaptive", 1 << 20, page_rows=4, max_query_len=3, native=True)
+    d = KVDriver(m)
+    for rid, n in (("a", 5), ("b", 11), ("c", 2), ("d", 8)):
+        assert d.submit(rid, n, 6)
+    m.release("a")  # slot 0 free: the others sit in slots 1..3
+    m.poll()
+    reqs = [m.requests[r] for r in ("d", "b", "c")]
+    for req in reqs:  # what begin_step does before building the step
+        map_tail_pages(req, req.length + query_len - 1, 4, m.copies, m.fence)
+    parts = m.step_parts()
+    native_step = StepKV(parts, reqs, query_len, stamp=1)
+    torch_step = StepKV(dataclasses.replace(parts, kernels=torch_selection("test")), reqs, query_len, stamp=1)
+    assert native_step._scatter is not None  # slots out of step order: the torch set-up gathers rows
+    for name in ("starts", "lengths", "page_table"):
+        assert torch.equal(getattr(native_step, name), getattr(torch_step, name)), name
+    assert all(torch.equal(a, b) for a, b in zip(native_step._write_rows, torch_step._write_rows, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(native_step._key_write[0], torch_step._key_write[0], strict=True))
+    assert torch.equal(native_step._key_write[1], torch_step._key_write[1])
+    assert native_step.max_length == torch_step.max_length and native_step._unmapped is None
+    with pytest.raises(ValueError, match="step_setup"):  # a slot past the batch state
+        native.step_setup(native.load(), [4], [m.batch.num_slots], m.batch.page_table, m.batch.key_pages, 2, 1, 4, 2)
+
+
 @pytest.mark.parametrize("bad", ["slot", "source", "layout", "dtype"])
 def test_step_resolution_refuses_arguments_it_cannot_read_safely(bad) -> None:
     state = list(_step_state())

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dhisparse import native
 from dhisparse.host_values import to_device
 from dhisparse.kv import kernel_step
 from dhisparse.kv.index_keys import gather_keys
@@ -102,21 +103,6 @@ class StepKV(StepResolution):
         self.query_len = query_len
         self.stamp = stamp
         device = manager.device
-        pool = manager.pool
-        # Host-known per-request values, moved in one copy: starts, lengths, and for each new token its page index
-        # and row within the page (arena pages) and its key block and offset (indexer keys' pages).
-        batch = len(requests)
-        starts = np.fromiter((r.length for r in requests), dtype=np.int64, count=batch)
-        positions = (starts[:, None] + np.arange(query_len)).ravel()  # [B*Q], request-major
-        per_page = max(1, pool.keys_per_page)
-        values = to_device(torch.from_numpy(np.concatenate(
-            (starts, starts + query_len, *np.divmod(positions, pool.page_rows), *np.divmod(positions, per_page)))),
-            None, device)
-        bq = positions.shape[0]
-        self.starts, self.lengths = values[:batch], values[batch: 2 * batch]
-        page_index, within_page, key_block, within_key_page = values[2 * batch:].view(4, batch, query_len).unbind(0)
-        self.max_length = int(starts.max()) + query_len  # known on the host, no read
-        sources = manager.layout.num_sources
         # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
         # (updated in place), else one gather per tensor (hot-cache changes are scattered back at each resolve).
         batch_state = manager.batch
@@ -130,35 +116,34 @@ class StepKV(StepResolution):
             rows = to_device(slots, torch.int64, device)
             self._scatter = rows
         self._rows = rows
-        # The page table is the one snapshot a step takes (one copy of its rows, up to the widest request): a reclaim
-        # or a completed backup may unmap a page during the step while the step's readers still use it.
-        width = max(r.footprint.num_pages for r in requests)
-        table = batch_state.page_table[rows, :, :width].clone()
-        self.page_table = table  # [B, S, M]
         # Hot caches [B, S, hot_rows], host page ids [B, S, M] and staging rows [B, G, T] of the step's slots are read
         # on first use (properties below): a direct step never touches them. Only the step changes them, so a later
         # read sees what a read here would.
         self._slot_state: dict[str, torch.Tensor] = {}
         self._hot_before: tuple[torch.Tensor, torch.Tensor] | None = None  # for abort_step (first resolve)
-        # Arena rows of the new tokens, source-major [S, B, Q] (what the per-source writes index with): the pages
-        # from the snapshot, the rows within them known on the host. Negative only where a page is unmapped.
-        page = table.transpose(0, 1).gather(2, page_index.unsqueeze(0).expand(sources, -1, -1))
-        self.new_rows = page.mul_(pool.page_rows).add_(within_page)  # [S, B, Q]
+        self._unmapped: torch.Tensor | None = None  # a new row's page not mapped (set by the set-up below)
         # Indexer keys live in arena pages (kv/index_keys.py): the step's key-page tables [B, L, KB] (a view or one
-        # gather; they change only at admission and release) and, for writes, the page and offset of each new key.
+        # gather; they change only at admission and release), read by index_keys.
         key_pages = batch_state.key_pages[rows]
         self._key_blocks = key_pages.shape[2]
         self._key_pages = key_pages.unbind(1)  # per indexer layer [B, KB]
-        write_pages = key_pages.transpose(0, 1).gather(2, key_block.unsqueeze(0).expand(key_pages.shape[1], -1, -1))
-        self._key_write = (write_pages.unbind(0), within_key_page)  # per layer pages [B, Q]; offsets [B, Q]
+        # The page table is the one snapshot a step takes (one copy of its rows, up to the widest request): a reclaim
+        # or a completed backup may unmap a page during the step while the step's readers still use it. With it:
+        # starts, lengths, the arena rows the new tokens' writes go to (per source [B*Q]) and their indexer keys'
+        # pages and offsets (per indexer layer [B, Q]; offsets [B, Q]).
+        width = max(r.footprint.num_pages for r in requests)
+        starts = [r.length for r in requests]
+        self.max_length = max(starts) + query_len  # known on the host, no read
+        if manager.kernels.native_resolver is not None:  # CPU device: one library call
+            self._setup_native(starts, slots, width, query_len)
+        else:
+            self._setup_torch(starts, rows, key_pages, width, query_len)
         # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer.
         # (One buffer per batch size, kept by the batch state and zeroed here: the previous step's report was read.)
         self._report, self.counts, self.staged, self.flags = batch_state.report_buffer(len(requests),
                                                                                        len(_FLAG_MESSAGES))
-        if manager.debug_checks:  # begin_step mapped every new row's tail page (its contract; "tail map" invariant)
-            self._flag(FLAG_UNMAPPED, (self.new_rows < 0).any(), RuntimeError)
-        # Arena rows each source's write goes to ([S, B*Q] as one view per source; an unmapped row is flagged above).
-        self._write_rows = self.new_rows.clamp_(min=0).view(sources, bq).unbind(0)
+        if self._unmapped is not None:  # begin_step maps every new row's tail page (its contract: "tail map")
+            self._flag(FLAG_UNMAPPED, self._unmapped, RuntimeError)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
@@ -168,6 +153,47 @@ class StepKV(StepResolution):
         self._tickets: list[CopyTicket] = []
         self.resolver_calls = 0  # resolve() calls (one per source and positions tensor)
         self.closed = False
+
+    def _setup_torch(self, starts: list[int], rows: slice | torch.Tensor, key_pages: torch.Tensor, width: int,
+                     query_len: int) -> None:
+        """Step set-up with torch operations (any device; see ``__init__``): host-known values (starts, lengths,
+        page and key-block indices of the new tokens) computed on the host and moved in one copy, the pages
+        gathered from the snapshot on the device."""
+        m = self._m
+        pool, batch = m.pool, len(starts)
+        first = np.asarray(starts, dtype=np.int64)
+        positions = (first[:, None] + np.arange(query_len)).ravel()  # [B*Q], request-major
+        values = to_device(torch.from_numpy(np.concatenate(
+            (first, first + query_len, *np.divmod(positions, pool.page_rows),
+             *np.divmod(positions, max(1, pool.keys_per_page))))), None, m.device)
+        self.starts, self.lengths = values[:batch], values[batch: 2 * batch]
+        page_index, within_page, key_block, within_key_page = values[2 * batch:].view(4, batch, query_len).unbind(0)
+        table = self.page_table = self._batch.page_table[rows, :, :width].clone()  # [B, S, M]
+        sources = table.shape[1]
+        page = table.transpose(0, 1).gather(2, page_index.unsqueeze(0).expand(sources, -1, -1))  # [S, B, Q]
+        new_rows = page.mul_(pool.page_rows).add_(within_page)  # negative only where a page is unmapped
+        self._unmapped = (new_rows < 0).any() if m.debug_checks else None
+        self._write_rows = new_rows.clamp_(min=0).view(sources, -1).unbind(0)
+        write_pages = key_pages.transpose(0, 1).gather(2, key_block.unsqueeze(0).expand(key_pages.shape[1], -1, -1))
+        self._key_write = (write_pages.unbind(0), within_key_page)
+
+    def _setup_native(self, starts: list[int], slots: list[int], width: int, query_len: int) -> None:
+        """The same values by one call of the native CPU library (``native.step_setup``), as views of its output;
+        an unmapped new row is flagged whatever the debug mode (the flag costs no device read here)."""
+        m, batch_state = self._m, self._batch
+        out, flags = native.step_setup(m.kernels.native_resolver, starts, slots, batch_state.page_table,
+                                       batch_state.key_pages, width, query_len, m.pool.page_rows,
+                                       max(1, m.pool.keys_per_page))
+        batch, sources, indexers = len(starts), batch_state.page_table.shape[1], batch_state.key_pages.shape[1]
+        bq = batch * query_len
+        at = 2 * batch + batch * sources * width
+        self.starts, self.lengths = out[:batch], out[batch: 2 * batch]
+        self.page_table = out[2 * batch: at].view(batch, sources, width)
+        self._write_rows = out[at: at + sources * bq].view(sources, bq).unbind(0)
+        at += sources * bq
+        self._key_write = (out[at: at + indexers * bq].view(indexers, batch, query_len).unbind(0),
+                           out[at + indexers * bq:].view(batch, query_len))
+        self._unmapped = torch.ones((), dtype=torch.bool) if flags else None
 
     def _slot_rows(self, name: str) -> torch.Tensor:
         """The step's rows of one batch-state tensor: a view (consecutive slots) or a gathered copy, read once."""

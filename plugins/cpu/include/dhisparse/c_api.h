@@ -94,6 +94,35 @@ typedef struct DhsStepArgs
 //! alone: each entry's page-table location, the distinct valid positions counted as direct, no copies.
 int32_t dhs_resolve_step_i64(DhsStepArgs const* args);
 
+//! Arguments of dhs_step_setup_i64: the per-step values of one KV step computed from the batch state (all int64;
+//! strided [slots, X, width] tensors with a contiguous last dimension).
+typedef struct DhsSetupArgs
+{
+    int64_t batch;            //!< B requests
+    int64_t query_len;        //!< Q new tokens each
+    int64_t num_sources;      //!< S
+    int64_t indexers;         //!< L indexer layers
+    int64_t page_rows;        //!< P
+    int64_t keys_per_page;    //!< keys per key page (>= 1)
+    int64_t width;            //!< pages per request in the snapshot (<= table_pages)
+    int64_t num_slots;        //!< rows of the batch state
+    int64_t table_pages;      //!< page_table's last dimension
+    int64_t key_blocks;       //!< key_pages' last dimension
+    int64_t table_slot_stride, table_source_stride;  //!< of page_table
+    int64_t key_slot_stride, key_layer_stride;       //!< of key_pages
+    int64_t const* starts;    //!< [B] position of each request's first new token
+    int64_t const* slots;     //!< [B] batch-state row of each request
+    int64_t const* page_table;  //!< [slots, S, table_pages]
+    int64_t const* key_pages;   //!< [slots, L, key_blocks] (may be NULL when L == 0)
+    int64_t* out;             //!< 2B + B*S*width + S*B*Q + L*B*Q + B*Q values, in this order: starts, lengths,
+                              //!< the page-table snapshot [B, S, width], the new tokens' arena rows [S, B, Q]
+                              //!< (0 where unmapped), their key pages [L, B, Q] and offsets in the page [B, Q]
+} DhsSetupArgs;
+
+//! Fills args->out (see DhsSetupArgs). Returns 0, DHS_STEP_UNMAPPED when a new token's page is not mapped in the
+//! snapshot, or -1 for bad sizes (a slot, page or key block out of range).
+int32_t dhs_step_setup_i64(DhsSetupArgs const* args);
+
 //! Thread blocks the CUDA gather copy uses for a batch of `batch` requests (4..32).
 int32_t dhs_copy_grid_blocks(int64_t batch);
 
