@@ -175,8 +175,13 @@ class StepOutputs(NamedTuple):
     flags: int
 
 
+# The last hot / host state tensors resolve_step checked (a step's calls pass the batch state's own tensors, whose
+# shape and layout never change in place: the batch state replaces them when it grows).
+_CHECKED_STATE: list[torch.Tensor | None] = []
+
+
 def _strided(name: str, t: torch.Tensor, rows: int, sources: int, call: str = "resolve_step") -> None:
-    if (t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 3 or t.stride(2) != 1 or t.shape[0] < rows
+    if (t.dtype is not torch.int64 or not t.is_cpu or t.dim() != 3 or t.stride(2) != 1 or t.shape[0] < rows
             or t.shape[1] < sources):
         raise ValueError(f"{call}: {name} must be a CPU int64 [rows, sources, width] tensor with a "
                          f"contiguous last dimension, got {t.dtype} {list(t.shape)} strides {t.stride()}")
@@ -201,22 +206,28 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
     groups = sources.shape[0]
     for name, t in (("positions", positions), ("lengths", lengths), ("sources", sources), ("slots", slots),
                     ("counts", counts)):
-        if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+        if t.dtype is not torch.int64 or not t.is_cpu or not t.is_contiguous():
             raise ValueError(f"resolve_step: {name} must be a contiguous CPU int64 tensor")
     if lengths.shape != (batch,) or slots.shape != (batch,) or counts.shape != (batch, 3):
         raise ValueError("resolve_step: lengths and slots must be [B], counts [B, 3]")
     num_sources = page_table.shape[1]
     _strided("page_table", page_table, batch, num_sources)
-    for name, t in (("hot_pos", hot_pos), ("hot_stamp", hot_stamp), ("hot_loc", hot_loc)):
-        _strided(name, t, 1, num_sources)
-        if t.shape != hot_pos.shape or t.stride() != hot_pos.stride():
-            raise ValueError("resolve_step: hot_pos, hot_stamp and hot_loc must have one shape and layout")
-    if host_pages is not None:
-        _strided("host_pages", host_pages, hot_pos.shape[0], num_sources)
-    out = torch.empty(groups * (3 * batch * n + 1), dtype=torch.int64)
-    locations = out[: groups * batch * n].view(groups, batch, n)
-    fetch = out[groups * batch * n: 3 * groups * batch * n].view(2, groups, batch * n)
-    fetch_count = out[3 * groups * batch * n:]
+    state = (hot_pos, hot_stamp, hot_loc, host_pages)
+    if len(_CHECKED_STATE) != 4 or any(a is not b for a, b in zip(state, _CHECKED_STATE, strict=True)) or \
+            hot_pos.shape[1] < num_sources:
+        for name, t in (("hot_pos", hot_pos), ("hot_stamp", hot_stamp), ("hot_loc", hot_loc)):
+            _strided(name, t, 1, num_sources)
+            if t.shape != hot_pos.shape or t.stride() != hot_pos.stride():
+                raise ValueError("resolve_step: hot_pos, hot_stamp and hot_loc must have one shape and layout")
+        if host_pages is not None:
+            _strided("host_pages", host_pages, hot_pos.shape[0], num_sources)
+        _CHECKED_STATE[:] = state  # the batch state's tensors, checked once (held here, so never another's id)
+    # Separate outputs (a slice or view of one buffer costs more in Python than an allocation); the copy counts
+    # in a ctypes array, read without torch.
+    locations = torch.empty((groups, batch, n), dtype=torch.int64)
+    fetch_src = torch.empty((groups, batch * n), dtype=torch.int64)
+    fetch_dst = torch.empty((groups, batch * n), dtype=torch.int64)
+    fetch_count = (ctypes.c_int64 * max(groups, 1))()
     host = host_pages if host_pages is not None else hot_pos  # strides only; the pointer passed is NULL
     args = (ctypes.c_int64 * _STEP_ARGS)(
         batch, n, groups, hot_pos.shape[2], page_rows, stamp, page_table.shape[2], host.shape[2],
@@ -225,13 +236,13 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
         host.stride(0), host.stride(1), counts.stride(0),
         positions.data_ptr(), lengths.data_ptr(), sources.data_ptr(), slots.data_ptr(), page_table.data_ptr(),
         hot_pos.data_ptr(), hot_stamp.data_ptr(), hot_loc.data_ptr(),
-        host_pages.data_ptr() if host_pages is not None else 0, locations.data_ptr(), fetch[0].data_ptr(),
-        fetch[1].data_ptr(), fetch_count.data_ptr(), counts.data_ptr(),
+        host_pages.data_ptr() if host_pages is not None else 0, locations.data_ptr(), fetch_src.data_ptr(),
+        fetch_dst.data_ptr(), ctypes.addressof(fetch_count), counts.data_ptr(),
     )  # fmt: skip
     flags = int(lib.dhs_resolve_step_i64(args))
     if flags < 0:
         raise ValueError("resolve_step: the library rejected the sizes, the stamp, a source or a slot")
-    return StepOutputs(locations, fetch[0], fetch[1], fetch_count.tolist(), flags)
+    return StepOutputs(locations, fetch_src, fetch_dst, fetch_count[:groups], flags)
 
 
 def step_setup(lib: ctypes.CDLL, starts: list[int], slots: list[int], page_table: torch.Tensor,

@@ -236,10 +236,10 @@ class StepResolution:
             if out.flags & native.STEP_UNMAPPED:
                 self._flag(FLAG_UNMAPPED, torch.ones((), dtype=torch.bool), RuntimeError)
         ok = not out.flags
-        for g, (source, slot) in enumerate(todo):
-            width = out.fetch_count[g]
+        for (source, slot), locations, width, g in zip(todo, out.locations.unbind(0), out.fetch_count,
+                                                       range(len(todo)), strict=True):
             ticket = self._issue_fetch(out.fetch_src[g, :width], out.fetch_dst[g, :width]) if width and ok else None
-            self._resolved[source] = _Resolved(positions, out.locations[g], ticket, slot, False)
+            self._resolved[source] = _Resolved(positions, locations, ticket, slot, False)
 
     def _native_slots(self) -> torch.Tensor:
         """The step's slots as a CPU int64 tensor (made on first use)."""
