@@ -113,6 +113,9 @@ def select_kernels(
     return KernelSelection(option, kernels, f"CUDA kernels passed {len(results)} self-checks", self_check=results)
 
 
+_NATIVE_CHECKED: dict[int, list[CheckResult]] = {}  # id of the loaded library (kept by native.load) -> its check
+
+
 def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> KernelSelection:
     """Torch on a CPU device, resolving through the native CPU library when it is built and self-checks."""
     from dhisparse import native  # late: native imports kv.resolver
@@ -120,7 +123,10 @@ def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> K
     lib = native.load()
     if lib is None:
         return torch_selection(f"CPU device; native resolver not built ({native.library_path()})")
-    results = (native_check or check_native_resolver)(lib)
+    if native_check is not None:
+        results = native_check(lib)
+    else:  # the loaded library does not change: checked once per process (later engines start without the check)
+        results = _NATIVE_CHECKED.get(id(lib)) or _NATIVE_CHECKED.setdefault(id(lib), check_native_resolver(lib))
     bad = failures(results)
     if bad is not None:
         log.warning("the native CPU resolver disagrees with the torch resolver; resolving with torch: %s", bad)
