@@ -22,10 +22,10 @@ import torch
 from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 
 ABI_VERSION = 3
-STATUS_HOT_CACHE_TOO_SMALL = 1
+_STATUS_HOT_CACHE_TOO_SMALL = 1
 # Flags of resolve_step (DHS_STEP_* in c_api.h).
 STEP_BAD_POSITION, STEP_HOT_CACHE_OVERFLOW, STEP_NO_HOST_COPY, STEP_UNMAPPED = 1, 2, 4, 8
-_STEP_ARGS = 32  # int64 fields of DhsStepArgs
+_STEP_ARGS, _SETUP_ARGS = 32, 19  # int64 fields of DhsStepArgs, DhsSetupArgs
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
 
@@ -109,58 +109,27 @@ def resolve(
         raise ValueError("positions, page_table and hot_pos must have the same number of rows R")
     if page_rows <= 0 or stamp < 0:
         raise ValueError(f"page_rows must be > 0 and stamp >= 0, got {page_rows} and {stamp}")
-    out = resolve_padded(lib, positions, page_table, hot_pos, hot_stamp, hot_loc, stamp, page_rows)
-    if out.status == STATUS_HOT_CACHE_TOO_SMALL:
-        summary = out.summary
-        r = int(torch.nonzero(summary[:, 0] != 0)[0, 0])
-        misses = int(summary[r, 1] - summary[r, 3] - summary[r, 4])
-        raise HotCacheOverflowError(
-            f"request row {r} misses {misses} rows but its hot cache of {num_slots} slots cannot take them; "
-            "raise hot_rows (B) to at least the number of distinct rows one step can select"
-        )
-    if out.status != 0:
-        raise ValueError(f"native resolver rejected its arguments (status {out.status})")
-    return from_padded(out.locations, out.steps, out.hot_pos, out.hot_stamp, out.copy_position, out.copy_slot,
-                       out.copy_location, out.summary)
-
-
-class Padded(NamedTuple):
-    """The library's outputs for ``R`` rows of ``N`` selections (``dhisparse/resolver.h``): ``locations`` /
-    ``steps`` / ``copy_position`` / ``copy_slot`` / ``copy_location`` ``[R, N]`` (copy lists compacted to the
-    front of each row, ``-1`` after), the new hot state ``[R, B]``, ``summary [R, 6]`` int32 (column 0 a row's
-    status, 3..5 its direct / hot / host counts) and the call's ``status`` (0, or 1 when a row overflowed its
-    hot cache: that row's outputs are not valid)."""
-
-    locations: torch.Tensor
-    steps: torch.Tensor
-    hot_pos: torch.Tensor
-    hot_stamp: torch.Tensor
-    copy_position: torch.Tensor
-    copy_slot: torch.Tensor
-    copy_location: torch.Tensor
-    summary: torch.Tensor
-    status: int
-
-
-def resolve_padded(lib: ctypes.CDLL, positions: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor,
-                   hot_stamp: torch.Tensor, hot_loc: torch.Tensor, stamp: int, page_rows: int) -> Padded:
-    """One library call over ``R`` rows (2-D inputs as :func:`resolve`, shapes trusted), outputs fixed-shape and
-    padded, nothing raised for an overflowing row: the KV step's CPU path (``kv/step_resolution.py``) turns
-    them into its fixed-shape fetch list and device flags, like the CUDA kernel's outputs."""
-    num_requests, n = positions.shape
     pos, table, loc_in = _i64(positions), _i64(page_table), _i64(hot_loc)
     new_pos, new_stamp = torch.stack([_i64(hot_pos), _i64(hot_stamp)]).unbind(0)  # one copy of the hot state
     locations, copy_position, copy_slot, copy_location = torch.empty(4, num_requests, n, dtype=torch.int64).unbind(0)
     steps = torch.empty(num_requests, n, dtype=torch.int8)
     summary = torch.empty(num_requests, 6, dtype=torch.int32)
     status = lib.dhs_resolve_batch_i64(
-        num_requests, n, table.shape[1], new_pos.shape[1], page_rows, stamp,
+        num_requests, n, table.shape[1], num_slots, page_rows, stamp,
         pos.data_ptr(), table.data_ptr(), new_pos.data_ptr(), new_stamp.data_ptr(), loc_in.data_ptr(),
         locations.data_ptr(), steps.data_ptr(), copy_position.data_ptr(), copy_slot.data_ptr(),
         copy_location.data_ptr(), summary.data_ptr(),
     )  # fmt: skip
-    return Padded(locations, steps, new_pos, new_stamp, copy_position, copy_slot, copy_location, summary,
-                  int(status))
+    if status == _STATUS_HOT_CACHE_TOO_SMALL:
+        r = int(torch.nonzero(summary[:, 0] != 0)[0, 0])
+        misses = int(summary[r, 1] - summary[r, 3] - summary[r, 4])
+        raise HotCacheOverflowError(
+            f"request row {r} misses {misses} rows but its hot cache of {num_slots} slots cannot take them; "
+            "raise hot_rows (B) to at least the number of distinct rows one step can select"
+        )
+    if status != 0:
+        raise ValueError(f"native resolver rejected its arguments (status {status})")
+    return from_padded(locations, steps, new_pos, new_stamp, copy_position, copy_slot, copy_location, summary)
 
 
 class StepOutputs(NamedTuple):
@@ -259,7 +228,7 @@ def step_setup(lib: ctypes.CDLL, starts: list[int], slots: list[int], page_table
     bq = batch * query_len
     out = torch.empty(2 * batch + batch * sources * width + (sources + indexers + 1) * bq, dtype=torch.int64)
     starts_c, slots_c = (ctypes.c_int64 * batch)(*starts), (ctypes.c_int64 * batch)(*slots)
-    args = (ctypes.c_int64 * 19)(
+    args = (ctypes.c_int64 * _SETUP_ARGS)(
         batch, query_len, sources, indexers, page_rows, keys_per_page, width, page_table.shape[0],
         page_table.shape[2], key_pages.shape[2], page_table.stride(0), page_table.stride(1), key_pages.stride(0),
         key_pages.stride(1), ctypes.addressof(starts_c), ctypes.addressof(slots_c), page_table.data_ptr(),

@@ -58,14 +58,12 @@ class BatchSampling(NamedTuple):
         processor = LogitsProcessor.build(
             params, [(r.prompt_token_ids, r.output_token_ids) for r in batch], [r.token_counts for r in batch],
             eos_token_ids, vocab, device) if any(p.processes_logits for p in params) else None
-        return cls(
-            to_device([p.temperature for p in params], torch.float64, device),
-            to_device([p.top_k for p in params], torch.int64, device),
-            to_device([p.top_p for p in params], torch.float64, device),
-            to_device([r.seed for r in batch], torch.int64, device),
-            to_device([len(r.output_token_ids) for r in batch], torch.int64, device),
-            processor,
-        )
+        # Two copies per step (one per dtype), each row a view.
+        temperature, top_p = to_device([[p.temperature for p in params], [p.top_p for p in params]], torch.float64,
+                                       device).unbind(0)
+        top_k, seeds, counters = to_device([[p.top_k for p in params], [r.seed for r in batch],
+                                            [len(r.output_token_ids) for r in batch]], torch.int64, device).unbind(0)
+        return cls(temperature, top_k, top_p, seeds, counters, processor)
 
     def process(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
         """``logits [B, Q, V]`` after each row's logit processing (unchanged rows are not copied when none)."""
@@ -345,8 +343,8 @@ class LLMEngine:
             return
         batch = self.running
         dev = self.model.device
-        ids = to_device([[r.last_token] for r in batch], torch.int64, dev)
-        positions = to_device([[r.num_computed] for r in batch], torch.int64, dev)
+        ids, positions = to_device([[[r.last_token] for r in batch], [[r.num_computed] for r in batch]], torch.int64,
+                                   dev).unbind(0)  # one copy
         step_kv = self._faulty(self.kv.begin_step([r.request_id for r in batch], 1), "decode_forward")
         out = self.model.forward(ids, positions, step_kv)
         sampling = self._batch_sampling(batch)
@@ -365,8 +363,8 @@ class LLMEngine:
         """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance."""
         spec, batch, dev = self.spec, self.running, self.model.device
         assert spec is not None
-        slots = to_device([r.spec_state for r in batch], torch.int64, dev)
-        last = to_device([r.last_token for r in batch], torch.int64, dev)
+        slots, last = to_device([[r.spec_state for r in batch], [r.last_token for r in batch]], torch.int64,
+                                dev).unbind(0)  # one copy
         sampling = self._batch_sampling(batch)
         self.faults.hit("draft_propose")
         draft, q_draft, lengths, confidence = spec.propose(slots, last, len(batch), sampling.temperature,

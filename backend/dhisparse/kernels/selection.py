@@ -126,7 +126,9 @@ def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> K
     if native_check is not None:
         results = native_check(lib)
     else:  # the loaded library does not change: checked once per process (later engines start without the check)
-        results = _NATIVE_CHECKED.get(id(lib)) or _NATIVE_CHECKED.setdefault(id(lib), check_native_resolver(lib))
+        results = _NATIVE_CHECKED.get(id(lib))
+        if results is None:
+            results = _NATIVE_CHECKED[id(lib)] = check_native_resolver(lib)
     bad = failures(results)
     if bad is not None:
         log.warning("the native CPU resolver disagrees with the torch resolver; resolving with torch: %s", bad)

@@ -105,9 +105,7 @@ def _host_source(launch: Callable[..., None], host: object, src_rows: torch.Tens
     mapped = host.mapped(device)  # type: ignore[attr-defined]
     if mapped is None:
         return host, src_rows, _per_chunk(launch, host)
-    chunk = src_rows.clamp(min=0) // mapped.chunk_rows
-    span_rows = mapped.first_row[chunk] + (src_rows - chunk * mapped.chunk_rows)
-    return mapped.span, torch.where(src_rows >= 0, span_rows, -1), launch
+    return mapped.span, torch.where(src_rows >= 0, mapped.span_rows(src_rows.clamp(min=0)), -1), launch
 
 
 def _per_chunk(launch: Callable[..., None], host: object) -> Callable[..., None]:

@@ -58,8 +58,12 @@ class MappedRows:
         index = index.to(self.span.device, torch.int64).clamp(0, self.allocated_rows - 1)
         if self.allocated_rows <= self.chunk_rows:  # one chunk: the span is that chunk
             return self.span.index_select(0, index)
+        return self.span.index_select(0, self.span_rows(index))
+
+    def span_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Span rows of the global host rows ``index`` (non-negative, allocated; on the view's device)."""
         chunk = index // self.chunk_rows
-        return self.span.index_select(0, self.first_row[chunk] + (index - chunk * self.chunk_rows))
+        return self.first_row[chunk] + (index - chunk * self.chunk_rows)
 
 
 class _CudaBytes:

@@ -55,6 +55,7 @@ _FLAG_MESSAGES = (
 
 
 _SOURCE_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+_CPU = torch.device("cpu")
 
 
 def _source_index(sources: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -62,22 +63,23 @@ def _source_index(sources: list[int], device: torch.device) -> slice | torch.Ten
     view, no copy; every GLM-style group), else an index tensor on ``device`` (made once per group)."""
     if sources == list(range(sources[0], sources[0] + len(sources))):
         return slice(sources[0], sources[0] + len(sources))
-    key = (tuple(sources), device)
+    return _source_tensor(tuple(sources), device)
+
+
+def _source_tensor(sources: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The sources of a group as an int64 tensor on ``device`` (made once per group and device; the native
+    library takes them as a CPU tensor even when consecutive)."""
+    key = (sources, device)
     index = _SOURCE_INDEX.get(key)
     if index is None:
-        index = _SOURCE_INDEX[key] = to_device(sources, torch.int64, device)
+        index = _SOURCE_INDEX[key] = to_device(list(sources), torch.int64, device)
     return index
 
 
-_NATIVE_SOURCES: dict[tuple[int, ...], torch.Tensor] = {}
-
-
-def _native_sources(sources: tuple[int, ...]) -> torch.Tensor:
-    """The sources of a native resolution as a CPU int64 tensor (made once per group)."""
-    index = _NATIVE_SOURCES.get(sources)
-    if index is None:
-        index = _NATIVE_SOURCES[sources] = torch.tensor(sources, dtype=torch.int64)
-    return index
+# The native library's step flags and the step's own (flag, error) each sets.
+_NATIVE_FLAGS = ((native.STEP_BAD_POSITION, FLAG_BAD_POSITION, ValueError),
+                 (native.STEP_HOT_CACHE_OVERFLOW, FLAG_OVERFLOW, HotCacheOverflowError),
+                 (native.STEP_UNMAPPED, FLAG_UNMAPPED, RuntimeError))
 
 
 class StepResolution:
@@ -216,8 +218,9 @@ class StepResolution:
         (see :meth:`_resolve_direct`): page-table lookups only, the hot state untouched."""
         m, batch = self._m, len(self.requests)
         state = self._batch
+        sources = _source_tensor(tuple(s for s, _ in todo), _CPU)
         out = native.resolve_step(m.kernels.native_resolver, positions.reshape(batch, -1).contiguous(), self.lengths,
-                                  _native_sources(tuple(s for s, _ in todo)), self._native_slots(), self.page_table,
+                                  sources, self._native_slots(), self.page_table,
                                   state.hot_pos, state.hot_stamp, state.hot_loc,
                                   state.host_pages if m.uses_host else None, self.counts, self.stamp,
                                   m.pool.page_rows, direct_only=direct)
@@ -225,16 +228,12 @@ class StepResolution:
         if self._scatter is not None and not direct:  # the step's gathered hot state is stale: read again on use
             self._slot_state.pop("hot_pos", None)
             self._slot_state.pop("hot_stamp", None)
-        if out.flags:
-            if out.flags & native.STEP_NO_HOST_COPY:
-                raise RuntimeError("a missed row has no host copy (its page was never backed up): the KV "
-                                   "hierarchy's residency invariant is broken")
-            if out.flags & native.STEP_BAD_POSITION:  # raised with the step's other checks
-                self._flag(FLAG_BAD_POSITION, torch.ones((), dtype=torch.bool), ValueError)
-            if out.flags & native.STEP_HOT_CACHE_OVERFLOW:
-                self._flag(FLAG_OVERFLOW, torch.ones((), dtype=torch.bool), HotCacheOverflowError)
-            if out.flags & native.STEP_UNMAPPED:
-                self._flag(FLAG_UNMAPPED, torch.ones((), dtype=torch.bool), RuntimeError)
+        if out.flags & native.STEP_NO_HOST_COPY:
+            raise RuntimeError("a missed row has no host copy (its page was never backed up): the KV hierarchy's "
+                               "residency invariant is broken")
+        for bit, flag, error in _NATIVE_FLAGS:  # raised with the step's other checks
+            if out.flags & bit:
+                self._flag(flag, torch.ones((), dtype=torch.bool), error)
         ok = not out.flags
         for (source, slot), locations, width, g in zip(todo, out.locations.unbind(0), out.fetch_count,
                                                        range(len(todo)), strict=True):
