@@ -271,6 +271,8 @@ class LLMEngine:
         if req.kv_admitted or req.counters.get("waited"):  # a refused request may be queued by the store too
             if req.kv_admitted:
                 req.counters.update(self.kv.request_stats(req.request_id))
+                if reason != "error":  # its complete pages may serve later requests (prefix reuse)
+                    self.kv.set_token_ids(req.request_id, req.prompt_token_ids + req.output_token_ids)
             req.kv_admitted = False
             self.kv.release(req.request_id)
         if self.spec is not None and req.spec_state is not None:

@@ -147,6 +147,12 @@ class V4DenseKVStore:
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         return True
 
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        return None  # no prefix reuse for DeepSeek-V4 (docs/prefix_reuse.md: window and compressor state)
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        return 0
+
     def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
         return None
 
@@ -250,6 +256,12 @@ class V4HierarchyKVStore:
 
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         return self.inner.try_admit(request_id, *entry_rows(prompt_len, max_new_tokens, self.rate))
+
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        return None  # no prefix reuse for DeepSeek-V4 (docs/prefix_reuse.md: window and compressor state)
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        return 0
 
     def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
         return None  # the V4 prefill builds its whole state locally

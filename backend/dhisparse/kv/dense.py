@@ -89,6 +89,12 @@ class DenseKVStore:
         self.stores[request_id] = _Store(self.cfg, capacity, self.dtype, self.device)
         return True
 
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        return None  # no prefix cache: the reference prefills every prompt in full
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        return 0
+
     def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
         return None  # the prefill's local rows are imported whole
 
