@@ -179,8 +179,11 @@ class KVManager:
             deficit = fp.required_bytes - self.pool.spare_bytes
         hit = self.prefix.lookup(request_id, prompt_len)  # the longest cached prefix (its host pages are shared)
         host_needed = self.host_pages_needed(prompt_len, max_new_tokens) - self.layout.num_sources * len(hit)
-        if deficit <= 0 and not self._host_pages_free(host_needed, hit):
+        if deficit > 0:
+            self.counters["admission_refusals_device"] += 1
+        elif not self._host_pages_free(host_needed, hit):
             deficit = 1  # host pages are short: wait for a release
+            self.counters["admission_refusals_host"] += 1
         if deficit > 0:
             self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
             self.check_budget()
@@ -192,13 +195,16 @@ class KVManager:
         """Whether ``count`` host pages are free; first evict cached pages nobody holds (least recently used first,
         never the admission's own ``hit``), then, between steps, finish the releases whose copies and readers are
         the only thing keeping their pages (as a GPU would wait on its streams)."""
-        if count <= self.host.free_pages or self.prefix.make_host_room(count, hit):
+        if count <= self.host.free_pages:
             return True
-        if self.releasing and self.step is None:
-            self.copies.wait_all()
-            self.fence.wait(self.fence.issued)
-            self._free_safe()
-            self.prefix.make_host_room(count, hit)
+        with self.prefix.pinned(hit):  # the hit's entries stay cached whatever is evicted or registered meanwhile
+            if self.prefix.make_host_room(count):
+                return True
+            if self.releasing and self.step is None:
+                self.copies.wait_all()
+                self.fence.wait(self.fence.issued)
+                self._free_safe()
+                self.prefix.make_host_room(count)
         return count <= self.host.free_pages
 
     def _reclaim_for(self, deficit: int) -> bool:

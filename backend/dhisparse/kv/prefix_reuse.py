@@ -29,7 +29,8 @@ counters; the first two per request too), gauges in :meth:`PrefixReuse.gauges`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -93,16 +94,22 @@ class PrefixReuse:
         limit = max(0, prompt_len - self.min_suffix) // self.page_rows
         return self.cache.match(known[1][:limit])
 
-    def make_host_room(self, count: int, keep: Sequence[CachedPage] = ()) -> bool:
-        """Evict cached entries nobody holds (LRU leaves, never ``keep``) until ``count`` host pages are free."""
-        for e in keep:
-            e.refs += 1  # pinned for the duration (not touched: a refused admission leaves the LRU order alone)
-        try:
-            while self.host.free_pages < count and self._evict_one():
-                pass
-        finally:
-            self.cache.drop(keep)
+    def make_host_room(self, count: int) -> bool:
+        """Evict cached entries nobody holds (LRU leaves) until ``count`` host pages are free."""
+        while self.host.free_pages < count and self._evict_one():
+            pass
         return self.host.free_pages >= count
+
+    @contextlib.contextmanager
+    def pinned(self, entries: Sequence[CachedPage]) -> Iterator[None]:
+        """Keep ``entries`` from eviction for the duration (a reference, without touching their LRU time: a refused
+        admission leaves the order alone)."""
+        for e in entries:
+            e.refs += 1
+        try:
+            yield
+        finally:
+            self.cache.drop(entries)
 
     def _evict_one(self) -> bool:
         entry = self.cache.evict_one()

@@ -19,6 +19,8 @@ ENGINE_COUNTERS = (
     "admissions",  # requests admitted
     "staging_bytes_charged",  # verification staging bytes charged at admission, summed over admissions
     "admissions_waited",  # admitted after at least one try_admit returned False
+    "admission_refusals_device",  # try_admit returned False: device memory short (after reclaiming what it could)
+    "admission_refusals_host",  # ... host pages short (after evicting every cached page nobody holds)
     "admission_wait_seconds",  # total wall time those admissions waited
     "admission_wait_steps",  # total decode steps those admissions waited
     "reclaim_events",  # requests whose optional pages were reclaimed (one event per request)
