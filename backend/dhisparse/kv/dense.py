@@ -153,7 +153,8 @@ class DenseKVStore:
         """No byte accounting to break (the drill's step still fails)."""
 
     def stats(self) -> dict[str, float]:
-        return {"kv_requests": float(len(self.stores)), "kv_host_syncs": float(self.sync.reads)}
+        return {"kv_requests": float(len(self.stores)), "kv_host_syncs": float(self.sync.reads),
+                "kv_prefix_reuse_enabled": 0.0}
 
     def request_stats(self, request_id: str) -> dict[str, float]:
         return {}

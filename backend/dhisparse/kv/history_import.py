@@ -102,5 +102,6 @@ def set_index_keys(req: RequestKV, index_keys: Mapping[int, torch.Tensor], layou
         if tuple(keys.shape) != (req.prompt_len, layout.index_key_dim):
             raise ValueError(f"{what}: index_keys[{layer}] must be [{req.prompt_len}, {layout.index_key_dim}], "
                              f"got {list(keys.shape)}")
+    start = req.prefix_reused_tokens  # a cached prefix's keys are in already (prefix reuse)
     for layer, keys in index_keys.items():
-        write_request_keys(pool, layout, req, layer_index[layer], 0, keys)
+        write_request_keys(pool, layout, req, layer_index[layer], start, keys[start:])

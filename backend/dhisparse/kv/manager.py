@@ -324,7 +324,8 @@ class KVManager:
         req = self._running(request_id)
         if not self.policy.uses_host:
             return None
-        return HostRowsTarget(history_host.history_host_rows(req, self.host), self.host.rows, self.host.page_rows)
+        return HostRowsTarget(history_host.history_host_rows(req, self.host), self.host.rows, self.host.page_rows,
+                              cached_rows=req.prefix_reused_tokens)
 
     def import_prompt(self, request_id: str, rows: PromptRows | None,
                       index_keys: Mapping[int, torch.Tensor] | None) -> None:

@@ -60,11 +60,14 @@ class HostRowsTarget:
 
     ``row_index [num_sources, prompt_len]`` int64 (CPU): the global row of ``rows`` for each prompt row (chunk
     ``r // rows.chunk_rows``; a page never straddles chunks and its rows are consecutive). ``page_rows``: rows per
-    page. The chunks never move, so the rows stay where they are however many requests are admitted after."""
+    page. The chunks never move, so the rows stay where they are however many requests are admitted after.
+    ``cached_rows``: prompt rows ``0 .. cached_rows-1`` (whole pages) are a prefix the store holds already (prefix
+    reuse): their pages are shared and must not be written; the transfer brings the rows from there on."""
 
     row_index: torch.Tensor
     rows: ChunkedRows
     page_rows: int
+    cached_rows: int = 0
 
 
 @dataclass(frozen=True)
