@@ -116,6 +116,7 @@ class Executor:
         req.num_computed = req.prompt_len
         self.counters["prefill_tokens"] += req.prompt_len - cached  # computed
         self.counters["prefill_tokens_reused"] += cached
+        req.counters["prefill_tokens_reused"] = float(cached)
         return self.sample_one([req], out.logits.unsqueeze(0))[0]
 
     def _prefill_chunk_hook(self, start: int) -> None:

@@ -283,10 +283,12 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------------- stats
     def request_stats(self, req: Request) -> dict[str, float]:
-        """Timing (``Request.timing``), counters, and ``kv_pages``: the KV pages (``page_rows`` rows each, per
-        KV source) the request's stored tokens span."""
+        """Timing (``Request.timing``), counters, ``kv_pages``: the KV pages (``page_rows`` rows each, per KV source)
+        the request's stored tokens span, and ``kv_prefix_reused_pages``: of those, found in the prefix cache."""
         pages = -(-req.num_computed // self.cfg.page_rows) if self.cfg.page_rows else 0
-        return {**req.timing(), **req.counters, "kv_pages": float(pages), "cum_log_prob": req.cum_log_prob}
+        reused = int(req.counters.get("prefill_tokens_reused", 0.0)) // self.cfg.page_rows
+        return {**req.timing(), **req.counters, "kv_pages": float(pages), "kv_prefix_reused_pages": float(reused),
+                "cum_log_prob": req.cum_log_prob}
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counters.items()}

@@ -101,14 +101,20 @@ class StreamedPrefillKV:
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         source = self.source_of_layer[layer]
-        pos = positions.clamp(min=0)
-        out = self.buffer[source][(pos - self.length).clamp(min=0)]
-        if self.length > 0:
+        chunk = self.buffer[source, : self.query_len]
+        zero = chunk.new_zeros(1, chunk.shape[-1])
+        if self.length == 0:  # the first chunk: every position is in it
+            table, index = torch.cat([chunk, zero]), positions
+        else:
             # Earlier chunks: the distinct selected positions, read from the host store in one gather. On a GPU
             # the selection is read on the host here (prefill only; a decode step never takes this path).
+            pos = positions.clamp(min=0)
             earlier = pos.clamp(max=self.length - 1).reshape(-1).cpu()
             wanted, inverse = torch.unique(earlier, return_inverse=True)
             fetched = self.layout.decode(self.host_rows.index_select(0, self.row_index[source, wanted]))
-            past = to_device(fetched, out.dtype, out.device)[to_device(inverse, None, out.device)].view_as(out)
-            out = torch.where((pos < self.length).unsqueeze(-1), past, out)
-        return out.masked_fill((positions < 0).unsqueeze(-1), 0)
+            # one table (fetched rows, this chunk's rows, a zero row) and one gather from it
+            table = torch.cat([to_device(fetched, chunk.dtype, chunk.device), chunk, zero])
+            past = to_device(inverse, None, chunk.device).view_as(pos)
+            index = torch.where(pos < self.length, past, pos - self.length + wanted.numel())
+        index = torch.where(positions < 0, table.shape[0] - 1, index)
+        return table[index]

@@ -11,8 +11,8 @@ batch dimension (1: each response belongs to one prompt, named by `batch_index`,
 - generation_logits [1, 1, T, V] fp32: processed logits of this response's tokens (return_generation_logits).
 - batch_index, sequence_index [1, 1] int32: prompt row in the request, sample number (always).
 - return_perf_metrics: kv_cache_alloc_total_blocks [1, 1] int32 = the KV pages (`page_rows` rows of every KV
-  source) the request's stored tokens span; kv_cache_alloc_new_blocks = the same (every page is new: no prefix
-  reuse across requests); kv_cache_reused_blocks = 0; arrival_time_ns, first_scheduled_time_ns,
+  source) the request's stored tokens span; kv_cache_reused_blocks = of those, the pages its admission found in the
+  prefix cache (docs/prefix_reuse.md); kv_cache_alloc_new_blocks = the others; arrival_time_ns, first_scheduled_time_ns,
   first_token_time_ns, last_token_time_ns [1, 1] int64 = wall clock, ns since the epoch (0 = not yet);
   acceptance_rate [1, 1] fp32, total_accepted_draft_tokens, total_draft_tokens [1, 1] int32 = speculation's
   accepted / proposed draft tokens so far (0 without a drafter).
@@ -40,10 +40,11 @@ def _one(value: float | int, dtype: type) -> np.ndarray:
 def perf_metrics(stats: dict[str, float]) -> dict[str, np.ndarray]:
     """The perf-metrics outputs from a request's statistics (`LLMEngine.request_stats`)."""
     pages = int(stats.get("kv_pages", 0))
+    reused = int(stats.get("kv_prefix_reused_pages", 0))  # prefix reuse: pages found cached at admission
     proposed, accepted = stats.get("draft_tokens_proposed", 0.0), stats.get("draft_tokens_accepted", 0.0)
     out = {
-        "kv_cache_alloc_new_blocks": _one(pages, np.int32),
-        "kv_cache_reused_blocks": _one(0, np.int32),
+        "kv_cache_alloc_new_blocks": _one(pages - reused, np.int32),
+        "kv_cache_reused_blocks": _one(reused, np.int32),
         "kv_cache_alloc_total_blocks": _one(pages, np.int32),
         "acceptance_rate": _one(accepted / proposed if proposed else 0.0, np.float32),
         "total_accepted_draft_tokens": _one(int(accepted), np.int32),
