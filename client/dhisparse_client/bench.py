@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dhisparse_client.bench_multiturn import run_multiturn
 from dhisparse_client.bench_report import (
     BenchRow,
     add_ratios,
@@ -69,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--genai-perf", action="store_true",
                    help="also run genai-perf 0.0.8 at every level (WITH_GENAI_PERF=1 scripts/setup_triton.sh)")
     p.add_argument("--genai-perf-interval-ms", type=int, default=4000, help="genai-perf measurement window")
+    m = p.add_argument_group("--workload multi-turn: prefix reuse through Triton (dhisparse_client/bench_multiturn.py)")
+    m.add_argument("--workload", choices=("throughput", "multi-turn"), default="throughput",
+                   help="throughput: perf_analyzer per policy (default); multi-turn: conversations whose turns append "
+                        "to the whole history, served with and without prefix_reuse")
+    m.add_argument("--sessions", type=int, default=4, help="multi-turn: conversations")
+    m.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
+    m.add_argument("--turn-tokens", type=int, default=1024, help="multi-turn: tokens of each user message")
     return p.parse_args(argv)
 
 
@@ -183,6 +191,8 @@ def run_all(args: argparse.Namespace, policies: list[str], binary: Path, input_d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workload == "multi-turn":
+        return run_multiturn(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     baseline = args.baseline if args.baseline in policies else policies[0]
     try:
