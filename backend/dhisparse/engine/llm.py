@@ -39,7 +39,8 @@ class LLM:
             speculator = Speculator(
                 self.engine_dir / "drafters" / self.config.speculative, self.config.num_draft_tokens,
                 self.config.max_batch_size, model_cfg, device, min_confidence=self.config.dspark_min_confidence,
-                busy_confidence=self.config.dspark_busy_confidence, busy_batch=self.config.dspark_busy_batch)
+                busy_confidence=self.config.dspark_busy_confidence, busy_batch=self.config.dspark_busy_batch,
+                target_model=model, max_context=self.config.max_model_len)
         self.engine = LLMEngine(model, self.config, speculator)
 
     # ---------------------------------------------------------------------------------------- properties
