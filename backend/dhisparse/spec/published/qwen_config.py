@@ -92,19 +92,20 @@ class QwenDrafterConfig:
         return 2 * self.num_kv_heads * self.head_dim
 
 
-def _int(data: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1) -> int:
+def _int(data: dict[str, Any], key: str, where: str, default: int | None = None, minimum: int = 1,
+         prefix: str = "") -> int:
     value = data.get(key, default)
     if value is None:
-        raise ConfigError(f"{where}: required field {key!r} is missing")
+        raise ConfigError(f"{where}: required field {prefix}{key} is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}: field {key!r} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{where}: field {prefix}{key} must be an integer >= {minimum}, got {value!r}")
     return value
 
 
-def _float(data: dict[str, Any], key: str, where: str, default: float) -> float:
+def _float(data: dict[str, Any], key: str, where: str, default: float, prefix: str = "") -> float:
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{where}: field {key!r} must be a positive number, got {value!r}")
+        raise ConfigError(f"{where}: field {prefix}{key} must be a positive number, got {value!r}")
     return float(value)
 
 
@@ -179,7 +180,7 @@ def parse_qwen_drafter(data: dict[str, Any], fmt: str, where: str) -> QwenDrafte
                           f"{sub['block_size']} disagree")
     block = _int({"block_size": block}, "block_size", where, minimum=1 if fmt == "dspark" else 2)
     vocab = _int(data, "vocab_size", where)
-    mask = _int(sub, "mask_token_id", f"{where} ({sub_name or 'top level'})", minimum=0)
+    mask = _int(sub, "mask_token_id", where, minimum=0, prefix=sub_name)
     if mask >= vocab:
         raise ConfigError(f"{where}: {sub_name}mask_token_id {mask} is outside the vocabulary ({vocab})")
     windows, causal = _layer_attention(data, sub if fmt != "dspark" else {}, n, where)
@@ -187,13 +188,15 @@ def parse_qwen_drafter(data: dict[str, Any], fmt: str, where: str) -> QwenDrafte
         causal = (False,) * n  # the DSpark block is one bidirectional query set (is_causal=False, no mask)
     extra: dict[str, Any] = {}
     if fmt == "dflash2":
-        extra = dict(conv_kernel_size=_int(sub, "conv_kernel_size", where), conv_group_size=_int(sub, "conv_group_size",
-                     where), selector_rank=_int(sub, "selector_rank", where),
-                     selector_top_k=_int(sub, "selector_top_k", where),
-                     output_multiplier=_float(sub, "output_multiplier", where, 1.0),
-                     input_embedding_scale=_float(sub, "input_embedding_scale", where, 1.0))
+        d = "dflash_config."
+        extra = dict(conv_kernel_size=_int(sub, "conv_kernel_size", where, prefix=d),
+                     conv_group_size=_int(sub, "conv_group_size", where, prefix=d),
+                     selector_rank=_int(sub, "selector_rank", where, prefix=d),
+                     selector_top_k=_int(sub, "selector_top_k", where, prefix=d),
+                     output_multiplier=_float(sub, "output_multiplier", where, 1.0, prefix=d),
+                     input_embedding_scale=_float(sub, "input_embedding_scale", where, 1.0, prefix=d))
         cap = sub.get("final_logit_softcapping")
-        extra["final_logit_softcapping"] = _float(sub, "final_logit_softcapping", where, 1.0) if cap else None
+        extra["final_logit_softcapping"] = _float(sub, "final_logit_softcapping", where, 1.0, d) if cap else None
         if hidden % extra["conv_group_size"]:
             raise ConfigError(f"{where}: dflash_config.conv_group_size {extra['conv_group_size']} must divide "
                               f"hidden_size {hidden}")
