@@ -5,16 +5,13 @@ verification step. The four servers start side by side."""
 
 from __future__ import annotations
 
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+
+from published_drafters import add_v4_dspark, qwen_drafter_config, write_qwen_drafter
+from tiny_v4 import make_v4_checkpoint
 
 from dhisparse import LLM, SamplingParams
 from dhisparse_client import DHiSparseClient, GenerationOptions
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from published_drafters import add_v4_dspark, qwen_drafter_config, write_qwen_drafter  # noqa: E402
-from tiny_v4 import make_v4_checkpoint  # noqa: E402
 
 FAMILIES = ("dflash", "dflash2", "dspark")
 PROMPTS = [[5, 17, 44, 301, 2], [9, 9, 130, 77, 12, 250, 41, 3, 8], [200, 6]]
@@ -22,9 +19,10 @@ MAX_TOKENS = 16
 
 
 def test_each_published_format_serves_the_targets_greedy_tokens(tmp_path_factory):
+    from tiny_engine import MAX_POSITIONS, build_checkpoint
+
     from dhisparse_builder.build import BuildOptions, build_engine
     from dhisparse_client.serve_process import ServeProcess
-    from tiny_engine import MAX_POSITIONS, build_checkpoint
 
     root = tmp_path_factory.mktemp("published-serve")
     checkpoint = build_checkpoint(root / "checkpoint")
