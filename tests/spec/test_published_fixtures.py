@@ -74,7 +74,7 @@ def test_proposals_equal_the_reference(case):
         if "candidates" in expected:  # DFlash2: the realized selector row over the K candidates
             ids = expected["candidates"][:, step, :spec.gamma]
             probs = probs.gather(-1, ids)
-        torch.testing.assert_close(probs, want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(probs, want, atol=5e-6, rtol=0)  # measured <= 6.2e-7 (float32 norms, softmax)
         if "confidence" in expected and meta.get("confidence") != "none":
             assert out.confidence is not None
             torch.testing.assert_close(out.confidence.double(), expected["confidence"][:, step].double(),
@@ -93,7 +93,7 @@ def test_dflash_shorter_block_equals_the_reference_with_that_block():
     meta, target, expected, spec = _setup("dflash", gamma=meta_gamma("dflash", "short"))
     for step, out in _replay(meta, target, spec):
         assert torch.equal(out.tokens, expected["short.tokens"][:, step]), step
-        torch.testing.assert_close(torch.softmax(out.scores, dim=-1), expected["short.probs"][:, step], atol=1e-6,
+        torch.testing.assert_close(torch.softmax(out.scores, dim=-1), expected["short.probs"][:, step], atol=5e-6,
                                    rtol=0)
 
 
