@@ -35,9 +35,6 @@ class Speculator:
         target: ModelConfig,
         device: torch.device,
         *,
-        min_confidence: float = 0.0,
-        busy_confidence: float = 0.3,
-        busy_batch: int = 8,
         target_model: object | None = None,
         max_context: int = 0,
     ) -> None:
@@ -49,8 +46,7 @@ class Speculator:
         self.published: PublishedSpeculation | None = None
         _, fmt = read_drafter_config(drafter_dir)
         if fmt in PUBLISHED:
-            self._init_published(drafter_dir, fmt, gamma, max_slots, target, device, target_model, max_context,
-                                 (min_confidence, busy_confidence, busy_batch))
+            self._init_published(drafter_dir, fmt, gamma, max_slots, target, device, target_model, max_context)
             return
         self.drafter = load_drafter(drafter_dir, device=device)
         cfg = self.drafter.config
@@ -65,7 +61,6 @@ class Speculator:
             raise ConfigError(f"num_draft_tokens must be in 1..{cfg.max_block} for this drafter, got {gamma}")
         self.gamma, self.device = gamma, device
         self.layers = tuple(cfg.target_layer_ids)
-        self.min_confidence, self.busy_confidence, self.busy_batch = min_confidence, busy_confidence, busy_batch
         if isinstance(self.drafter, DFlash2Drafter):
             row_values = cfg.ring_row_values
         else:
@@ -73,20 +68,16 @@ class Speculator:
         self.ring = DraftRing(max_slots, self.drafter.window, row_values, torch.float32, device)
 
     def _init_published(self, drafter_dir: Path, fmt: str, gamma: int, max_slots: int, target: ModelConfig,
-                        device: torch.device, target_model: object | None, max_context: int,
-                        confidence: tuple[float, float, int]) -> None:
+                        device: torch.device, target_model: object | None, max_context: int) -> None:
         dtype = getattr(target_model, "dtype", torch.float32)
         drafter = load_published(drafter_dir, target, embed=getattr(target_model, "embed", None),
                                  lm_head=getattr(target_model, "lm_head", None), dtype=dtype, device=device)
         if not 1 <= gamma <= drafter.max_gamma:
             raise ConfigError(f"num_draft_tokens must be in 1..{drafter.max_gamma} for this {fmt} drafter, got {gamma}")
-        min_confidence, busy_confidence, busy_batch = confidence
         self.drafter, self.kind, self.gamma, self.device = drafter, family_of(fmt), gamma, device
         self.layers = tuple(drafter.target_layer_ids)
-        self.min_confidence, self.busy_confidence, self.busy_batch = min_confidence, busy_confidence, busy_batch
-        self.published = PublishedSpeculation(
-            drafter, gamma, max_slots, max_context or target.max_position_embeddings, dtype, device,
-            min_confidence=min_confidence, busy_confidence=busy_confidence, busy_batch=busy_batch)
+        self.published = PublishedSpeculation(drafter, gamma, max_slots, max_context or target.max_position_embeddings,
+                                              dtype, device)
         self.ring = self.published.ring
 
     # ------------------------------------------------------------------------------------------ features
@@ -126,7 +117,7 @@ class Speculator:
         self,
         slots: torch.Tensor,
         last_tokens: torch.Tensor,
-        batch_size: int,
+        threshold: float,
         temperature: torch.Tensor,
         seeds: torch.Tensor,
         counters: torch.Tensor,
@@ -135,10 +126,11 @@ class Speculator:
 
         ``temperature [B]`` (0 = greedy: ``q`` is the point mass of the argmax), ``seeds``/``counters [B]`` key the
         uniforms (stream 3). ``lengths`` is how many drafts each request verifies: ``gamma`` for DFlash2; for DSpark
-        the confident prefix under a threshold that rises to ``busy_confidence`` when ``batch_size >= busy_batch``
-        (load-aware shortening); a published DSpark drafter cuts by its own rule (``proposal_law.confident_length``)."""
+        the prefix whose confidence stays at or above ``threshold`` (the scheduler's load-aware choice,
+        ``Scheduler.verification_threshold``); a published DSpark drafter cuts at ``threshold`` by its own rule
+        (``proposal_law.confident_length``)."""
         if self.published is not None:
-            return self.published.propose(slots, last_tokens, batch_size, temperature, seeds, counters)
+            return self.published.propose(slots, last_tokens, threshold, temperature, seeds, counters)
         context, mask = self.ring.context(slots)
         b = slots.shape[0]
         steps = counters.unsqueeze(1) + torch.arange(self.gamma, device=self.device)
@@ -165,8 +157,6 @@ class Speculator:
         if confidence is None:
             lengths = torch.full((b,), self.gamma, dtype=torch.int64, device=self.device)
         else:
-            busy = batch_size >= self.busy_batch
-            threshold = max(self.min_confidence, self.busy_confidence if busy else 0.0)
             lengths = confident_prefix_length(confidence, threshold)
         return draft, q, lengths, confidence
 

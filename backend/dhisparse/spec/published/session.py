@@ -22,12 +22,11 @@ class PublishedSpeculation:
     """Ring + proposals of one published drafter for up to ``max_slots`` requests (vectorised over a batch)."""
 
     def __init__(self, drafter: PublishedDrafter, gamma: int, max_slots: int, max_context: int, dtype: torch.dtype,
-                 device: torch.device, *, min_confidence: float, busy_confidence: float, busy_batch: int) -> None:
+                 device: torch.device) -> None:
         self.drafter, self.gamma, self.device = drafter, gamma, device
         window = drafter.context_window if drafter.context_window is not None else max_context
         self.window = max(1, min(window, max_context))
         self.ring = DraftRing(max_slots, self.window, drafter.row_values, dtype, device)
-        self.min_confidence, self.busy_confidence, self.busy_batch = min_confidence, busy_confidence, busy_batch
 
     def _rows(self, features: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         positions = first.unsqueeze(1) + torch.arange(features.shape[1], device=self.device)
@@ -54,19 +53,16 @@ class PublishedSpeculation:
         positions = start.unsqueeze(1) - self.window + torch.arange(self.window, device=self.device)
         return ProposalContext(rows, positions, valid, start)
 
-    def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, batch_size: int, temperature: torch.Tensor,
+    def propose(self, slots: torch.Tensor, last_tokens: torch.Tensor, threshold: float, temperature: torch.Tensor,
                 seeds: torch.Tensor, counters: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """As ``Speculator.propose``: ``(draft [B, γ], q [B, γ, V], lengths [B], confidence [B, γ] or None)``;
-        ``confidence`` is ``sigmoid`` of the drafter's confidence logits, ``lengths`` its published cut at the
-        load-aware threshold (``busy_confidence`` once ``batch_size >= busy_batch``, never below
-        ``min_confidence``)."""
+        ``confidence`` is ``sigmoid`` of the drafter's confidence logits, ``lengths`` its published cut at
+        ``threshold`` (the scheduler's load-aware choice; 0: no cut)."""
         steps = counters.unsqueeze(1) + torch.arange(self.gamma, device=self.device)
         u = uniform(seeds.unsqueeze(1).expand_as(steps), steps, stream=3)
         with torch.no_grad():
             draft, q, logits, _ = self.drafter.propose(self.context(slots), last_tokens, self.gamma, temperature, u)
         if logits is None:
             return draft, q, torch.full((slots.shape[0],), self.gamma, dtype=torch.int64, device=self.device), None
-        busy = batch_size >= self.busy_batch
-        threshold = max(self.min_confidence, self.busy_confidence if busy else 0.0)
         return draft, q, confident_length(logits, threshold), torch.sigmoid(logits)
