@@ -20,6 +20,12 @@ from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 RESOLVE_OUTPUTS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_position", "copy_slot", "copy_location",
                    "summary")
 SUMMARY_STATUS = 0
+KIND_NAMES = {abi.KIND_RESOLVER: "resolver", abi.KIND_ROW_COPY: "row copy", abi.KIND_SPARSE_MLA: "sparse MLA",
+              abi.KIND_STEP_RESOLVER: "step resolver"}
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class KernelLaunchError(RuntimeError):
@@ -69,12 +75,37 @@ class CudaKernels:
         stamp_t = torch.full((1,), stamp, dtype=positions.dtype, device=positions.device)
         args = abi.pack_resolver(stamp_t, positions, page_table, hot_pos, hot_stamp, hot_loc, page_rows, out)
         plan = self.plan(abi.KIND_RESOLVER, args)
-        workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=positions.device)
-        rc = self._lib.dhs_cuda_launch_resolver(ctypes.byref(args), workspace.data_ptr(), self._stream(None))
+        workspace = self._workspace(plan, positions.device)
+        rc = self._lib.dhs_cuda_launch_resolver(ctypes.byref(args), _address(workspace), self._stream(None))
         self._check("resolver", rc)
         # The caching allocator may hand these to other work as soon as Python drops them: they were used on
         # the current stream only, so ordinary stream semantics keep them valid until the kernel ran.
         return out
+
+    def resolve_step(self, stamp: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None,
+                     sources: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor,
+                     hot_stamp: torch.Tensor, hot_loc: torch.Tensor, host_pages: torch.Tensor | None,
+                     staging_loc: torch.Tensor | None, page_rows: int, out: dict[str, torch.Tensor]) -> None:
+        """One KV step's index group (``G = sources.numel()`` sources selected by ``positions [B, N]``) for the
+        whole batch in **one launch** (``StepResolveArgs`` of launch.h; shapes in :func:`abi.pack_step_resolver`):
+        hot state updated in place in the batch state's ``slots``, ``out``'s per-entry locations and ``[G, B, N]``
+        fetch lists (host rows → arena rows, each request's copies first, ``-1`` after: the row-copy kernel's
+        input as is) written, counts / staged added, error bits or-ed into ``out["flags"]``. Every tensor on the
+        device (``stamp`` too: a captured graph replays the launch with the next step's stamp); asynchronous."""
+        args = abi.pack_step_resolver(stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp,
+                                      hot_loc, host_pages, staging_loc, page_rows, out)
+        plan = self.plan(abi.KIND_STEP_RESOLVER, args)
+        workspace = self._workspace(plan, positions.device)
+        rc = self._lib.dhs_cuda_launch_step_resolver(ctypes.byref(args), _address(workspace), self._stream(None))
+        self._check("step resolver", rc)
+
+    @staticmethod
+    def _workspace(plan: abi.LaunchPlan, device: torch.device) -> torch.Tensor | None:
+        """Device workspace of a resolver plan (rows whose scratch exceeds shared memory), or None. Used on the
+        current stream only: once the caller drops it, the caching allocator reuses it after the kernel."""
+        if plan.workspace_bytes <= 0:
+            return None
+        return torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
 
     def resolve(
         self, positions: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
@@ -126,5 +157,5 @@ class CudaKernels:
         plan = abi.LaunchPlan()
         status = self._lib.dhs_cuda_launch_plan(kind, ctypes.byref(args), ctypes.byref(plan))
         if status not in (abi.PLAN_OK, abi.PLAN_EMPTY):
-            raise KernelLaunchError(abi.plan_error(("resolver", "row copy", "sparse MLA")[kind], status))
+            raise KernelLaunchError(abi.plan_error(KIND_NAMES.get(kind, f"kind {kind}"), status))
         return plan
