@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from dhisparse.kernels import abi
+from dhisparse.kernels import abi, triton_mla
 from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
 
 RESOLVE_OUTPUTS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_position", "copy_slot", "copy_location",
@@ -38,9 +38,18 @@ class CudaKernels:
     name = "cuda"
     on_device = True
 
-    def __init__(self, lib: ctypes.CDLL, device: torch.device) -> None:
+    def __init__(self, lib: ctypes.CDLL, device: torch.device, attention: str = "auto") -> None:
+        """``attention``: ``"triton"`` (the Triton-lang kernel, :mod:`triton_mla`: rows read once per request for
+        all heads, tensor-core products), ``"cuda"`` (the CUDA C++ kernel the TensorRT plugin shares), or
+        ``"auto"``: Triton when it is installed."""
+        if attention not in ("auto", "triton", "cuda"):
+            raise ValueError(f"attention must be auto, triton or cuda, got {attention!r}")
+        if attention == "triton" and not triton_mla.available():
+            raise ValueError("attention='triton' needs Triton-lang (pip install triton)")
         self._lib = lib
         self.device = device
+        self.attention = "triton" if attention == "auto" and triton_mla.available() else (
+            "cuda" if attention == "auto" else attention)
 
     def _check(self, what: str, rc: int) -> None:
         if rc != 0:
@@ -140,7 +149,11 @@ class CudaKernels:
     def sparse_mla(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locations: torch.Tensor,
                    softmax_scale: float, kv_format: int | None = None) -> torch.Tensor:
         """Absorbed sparse MLA decode (see :func:`dhisparse.kernels.reference.sparse_mla_reference`);
-        returns ``out_lat [B, Q, H, rank]`` in ``q_lat``'s dtype."""
+        returns ``out_lat [B, Q, H, rank]`` in ``q_lat``'s dtype. A query's rows are distinct (its top-k): with
+        several queries the Triton kernel reads their union once (:mod:`dhisparse.kernels.mla_union`)."""
+        if self.attention == "triton":
+            return triton_mla.sparse_mla(q_lat, q_pe, kv, locations, softmax_scale,
+                                         fp8_rows=kv_format == abi.KV_FORMAT_FP8)
         q_lat, q_pe, locations = q_lat.contiguous(), q_pe.contiguous(), locations.contiguous()
         out = torch.empty_like(q_lat)
         args = abi.pack_sparse_mla(q_lat, q_pe, kv, locations, softmax_scale, out, kv_format)

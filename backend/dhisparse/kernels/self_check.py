@@ -211,7 +211,11 @@ def check_sparse_mla(kernels: Any, device: torch.device, g: torch.Generator,
         kv = torch.randn(rows, rank + rope, generator=g).to(dtype)
         q_lat = torch.randn(b, q, h, rank, generator=g).to(dtype)
         q_pe = torch.randn(b, q, h, rope, generator=g).to(dtype)
-        locations = torch.randint(0, rows, (b, q, k), generator=g)
+        # A query's rows are distinct (its top-k); the queries of a request share most of them.
+        shared = torch.randperm(rows, generator=g)[:k]
+        mixed = [torch.where(torch.rand(k, generator=g) < 0.7, shared, torch.randperm(rows, generator=g)[:k])
+                 for _ in range(b * q)]
+        locations = torch.stack([_distinct(row, rows, g) for row in mixed]).view(b, q, k)
         locations[torch.rand(b, q, k, generator=g) < 0.15] = -1
         locations[0, q - 1] = -1  # a fully masked query: zeros
         scale = (rank + rope) ** -0.5
@@ -220,6 +224,19 @@ def check_sparse_mla(kernels: Any, device: torch.device, g: torch.Generator,
         results.append(CheckResult("sparse_mla", f"B={b} Q={q} H={h} K={k} rank={rank} rope={rope} {dtype}",
                                    compare_attention(got, want, ATTENTION_TOLERANCE[dtype])))
     return results
+
+
+def _distinct(row: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
+    """``row`` with repeated values replaced by unused rows (a query selects each row once)."""
+    out = row.clone()
+    seen: set[int] = set()
+    spare = iter(torch.randperm(rows, generator=g).tolist())
+    for i, value in enumerate(out.tolist()):
+        while value in seen:
+            value = next(spare)
+        seen.add(value)
+        out[i] = value
+    return out
 
 
 def run_self_check(kernels: Any, device: torch.device, seed: int = 0) -> list[CheckResult]:

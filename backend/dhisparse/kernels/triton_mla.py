@@ -1,0 +1,310 @@
+"""Sparse MLA decode in Triton-lang: each selected row read once per request for all of its queries and heads.
+
+Absorbed MLA attends every head to the same latent row (``rank`` values, plus ``rope`` values for the scores):
+``out[q, h] = sum_j softmax_j(scale * (q_lat[q, h] . row_j[:rank] + q_pe[q, h] . row_j[rank:])) row_j[:rank]``.
+The kernel (FlashMLA's sparse-decode structure, written here independently in Triton) therefore makes the heads
+the M dimension of two tensor-core products per block of ``BLOCK_N`` rows — ``S = Q K^T`` over ``rank + rope``
+and ``O += P V`` with ``V = K[:, :rank]`` — so a row is loaded once for all heads:
+
+- **Rows shared by queries**: the ``γ + 1`` verification queries of a request are rows of the same M dimension
+  (``m = q * H + h``); the kernel walks the request's union of selected rows (:mod:`mla_union`) and masks, per
+  query, the rows that query did not select. With ``Q * H <= BLOCK_M`` every row is read once per request; above,
+  the M tiles of a request are neighbouring programs (grid axis 0), so a row comes from HBM once and from L2 after.
+- **Split over the rows** when the batch is small: the grid is ``(M tiles, splits, B)``; each split keeps a partial
+  output normalised by its own sum and its log-sum-exp, and :func:`_combine_kernel` merges the splits.
+- **Row formats**: float32 / bfloat16 rows of ``rank + rope`` values, and DeepSeek-V3.2's 656-byte FP8 rows (512
+  e4m3 latent values with a float32 scale per 128, 64 bfloat16 rope values), decoded in the kernel (bit
+  arithmetic, exact) and multiplied in the query's dtype (bfloat16 products for bfloat16 queries).
+
+Precision: products in the query dtype (float32 queries: IEEE float32 products, no TF32), softmax and accumulation
+in float32, ``P`` rounded to the query dtype for ``P V`` (as FlashMLA does for bfloat16).
+
+The same source runs on the CPU under ``TRITON_INTERPRET=1`` (tests). Its interpreter multiplies bfloat16
+matrices wrongly (it treats their bits as integers), so in interpreter mode only, ``tl.dot`` operands are widened
+to float32 first — the products of bfloat16 values are exact in float32, so the values are the same; everything
+else is the GPU code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dhisparse.kernels.mla_union import RowUnion, union_of_queries
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional: the CUDA C++ kernel and the torch reference serve without it
+    triton = None
+    tl = None
+
+FP8_RANK, FP8_ROPE, FP8_ROW_BYTES = 512, 64, 656
+KV_FLOAT, KV_FP8 = 0, 1
+LOG2E = 1.4426950408889634
+
+
+def available() -> bool:
+    """Whether Triton-lang is importable (the kernels then run on CUDA tensors, or on CPU tensors in interpreter
+    mode)."""
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """Whether the kernels were made for Triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module was
+    first imported: Triton decides when a kernel is defined)."""
+    return triton is not None and type(_split_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Launch configuration: ``block_m`` query-head rows and ``block_n`` KV rows per program step, ``splits`` of
+    each request's rows (``0``: chosen from the batch so that about ``target_programs`` programs run)."""
+
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    splits: int = 0
+    target_programs: int = 264  # two per SM of an H100 / H200
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.splits < 0 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"splits must be >= 0 and num_warps / num_stages >= 1, got {self}")
+
+
+def _pow2(n: int, low: int = 16) -> int:
+    return max(low, 1 << max(n - 1, 0).bit_length())
+
+
+def choose_splits(config: MlaConfig, batch: int, m_tiles: int, rows: int) -> int:
+    """Splits of each request's ``rows`` so that ``batch * m_tiles * splits`` is about the target (at most one
+    split per ``block_n`` rows; 1 for a large batch, where the combine step is skipped)."""
+    if config.splits:
+        return max(1, min(config.splits, -(-rows // config.block_n)))
+    want = -(-config.target_programs // max(batch * m_tiles, 1))
+    return max(1, min(want, -(-rows // config.block_n)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp8_e4m3_to_float(u):
+        """OCP e4m3 bits (int32 0..255) -> float32, exactly (NaN for 0x7f / 0xff)."""
+        sign = (u >> 7) << 31
+        exponent = (u >> 3) & 15
+        mantissa = u & 7
+        normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        tiny = mantissa.to(tl.float32) * 0.001953125  # subnormal: mantissa * 2^-9
+        tiny = tl.where(sign != 0, -tiny, tiny)
+        value = tl.where(exponent == 0, tiny, normal)
+        return tl.where((exponent == 15) & (mantissa == 7), float("nan"), value)
+
+    @triton.jit
+    def _operand(x, DOT: tl.constexpr, EMULATE: tl.constexpr):
+        """A tensor-core operand in the product dtype (float32 in interpreter mode: see the module docstring)."""
+        if EMULATE:
+            return x.to(DOT).to(tl.float32)
+        return x.to(DOT)
+
+    @triton.jit
+    def _split_kernel(
+        q_lat, q_pe, kv, kv_f32, kv_bf16, locs, member, lengths, out, part, lse,
+        stride_qb, stride_qq, stride_qh, stride_pb, stride_pq, stride_ph, row_stride,
+        stride_lb, stride_ob, stride_oq, stride_oh,
+        heads, qh, rank, rope, splits, scale_log2,
+        FORMAT: tl.constexpr, HAS_MEMBER: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr,
+        IEEE: tl.constexpr, EMULATE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < qh
+        query = offs_m // heads
+        head = offs_m % heads
+        d = tl.arange(0, BLOCK_R)
+        p = tl.arange(0, BLOCK_P)
+        d_ok = d < rank
+        p_ok = p < rope
+        q_rows = b * stride_qb + query.to(tl.int64) * stride_qq + head.to(tl.int64) * stride_qh
+        ql = tl.load(q_lat + q_rows[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        p_rows = b * stride_pb + query.to(tl.int64) * stride_pq + head.to(tl.int64) * stride_ph
+        qp = tl.load(q_pe + p_rows[:, None] + p[None, :], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
+        ql = _operand(ql, DOT, EMULATE)
+        qp = _operand(qp, DOT, EMULATE)
+
+        length = tl.load(lengths + b)
+        per_split = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
+        begin = pid_s * per_split
+        end = tl.minimum(begin + per_split, length)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for start in range(begin, end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < end
+            loc = tl.load(locs + b * stride_lb + offs_n, mask=n_ok, other=-1).to(tl.int64)
+            row_ok = loc >= 0
+            row = tl.where(row_ok, loc, 0)
+            if FORMAT == 1:  # 656-byte FP8 rows: e4m3 latent * per-128 scale, bf16 rope
+                bits = tl.load(kv + row[:, None] * row_stride + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                               other=0).to(tl.int32)
+                scale = tl.load(kv_f32 + row[:, None] * (row_stride // 4) + 128 + d[None, :] // 128,
+                                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                k_lat = _fp8_e4m3_to_float(bits) * scale
+                k_pe = tl.load(kv_bf16 + row[:, None] * (row_stride // 2) + 264 + p[None, :],
+                               mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+            else:
+                k_lat = tl.load(kv + row[:, None] * row_stride + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                                other=0.0)
+                k_pe = tl.load(kv + row[:, None] * row_stride + rank + p[None, :],
+                               mask=row_ok[:, None] & p_ok[None, :], other=0.0)
+            k_lat = _operand(k_lat, DOT, EMULATE)
+            k_pe = _operand(k_pe, DOT, EMULATE)
+            if IEEE:
+                s = tl.dot(ql, tl.trans(k_lat), input_precision="ieee")
+                s += tl.dot(qp, tl.trans(k_pe), input_precision="ieee")
+            else:
+                s = tl.dot(ql, tl.trans(k_lat))
+                s += tl.dot(qp, tl.trans(k_pe))
+            keep = row_ok[None, :] & m_ok[:, None]
+            if HAS_MEMBER:
+                bitmask = tl.load(member + b * stride_lb + offs_n, mask=n_ok, other=0)
+                keep = keep & (((bitmask[None, :] >> query[:, None]) & 1) != 0)
+            s = tl.where(keep, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            prob = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(_operand(prob, DOT, EMULATE), k_lat, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(_operand(prob, DOT, EMULATE), k_lat)
+            m_i = m_new
+
+        has = l_i > 0.0
+        result = acc / tl.where(has, l_i, 1.0)[:, None]
+        if DIRECT:
+            o_rows = b * stride_ob + query.to(tl.int64) * stride_oq + head.to(tl.int64) * stride_oh
+            tl.store(out + o_rows[:, None] + d[None, :], result.to(out.dtype.element_ty),
+                     mask=m_ok[:, None] & d_ok[None, :])
+        else:
+            slot = (b * splits + pid_s) * qh + offs_m
+            tl.store(part + slot.to(tl.int64)[:, None] * rank + d[None, :], result, mask=m_ok[:, None] & d_ok[None, :])
+            tl.store(lse + slot, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=m_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        part, lse, out, stride_ob, stride_oq, stride_oh, heads, qh, rank, splits,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < qh
+        d = tl.arange(0, BLOCK_R)
+        d_ok = d < rank
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for s in range(0, splits):
+            top = tl.maximum(top, tl.load(lse + (b * splits + s) * qh + offs_m, mask=m_ok, other=float("-inf")))
+        top_safe = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for s in range(0, splits):
+            slot = (b * splits + s) * qh + offs_m
+            weight = tl.exp2(tl.load(lse + slot, mask=m_ok, other=float("-inf")) - top_safe)
+            values = tl.load(part + slot.to(tl.int64)[:, None] * rank + d[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                             other=0.0)
+            acc += weight[:, None] * values
+            total += weight
+        result = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+        query = offs_m // heads
+        head = offs_m % heads
+        o_rows = b * stride_ob + query.to(tl.int64) * stride_oq + head.to(tl.int64) * stride_oh
+        tl.store(out + o_rows[:, None] + d[None, :], result.to(out.dtype.element_ty),
+                 mask=m_ok[:, None] & d_ok[None, :])
+
+
+def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locations: torch.Tensor,
+               softmax_scale: float, fp8_rows: bool = False, config: MlaConfig | None = None,
+               union: RowUnion | None = None) -> torch.Tensor:
+    """Absorbed sparse MLA decode (the semantics of ``reference.sparse_mla_reference``).
+
+    Args:
+        q_lat: ``[B, Q, H, rank]``, q_pe: ``[B, Q, H, rope]``, float32 or bfloat16 (one dtype; strides free in all
+            but the last dimension).
+        kv: arena rows ``[rows, rank + rope]`` in q's dtype, or ``[rows, 656]`` uint8 FP8 rows (``fp8_rows``).
+        locations: ``[B, Q, K]`` int32 / int64 arena rows, ``-1`` = masked; or pass ``union`` (its form for these
+            locations, e.g. made once for several layers).
+        softmax_scale: scale of the scores.
+
+    Returns:
+        ``out_lat [B, Q, H, rank]`` in q's dtype; zeros for a query with no valid row.
+    """
+    if triton is None:
+        raise RuntimeError("Triton-lang is not installed (pip install triton): the Triton sparse MLA kernel is "
+                           "unavailable")
+    batch, queries, heads, rank = q_lat.shape
+    rope = q_pe.shape[-1]
+    if q_pe.shape[:3] != q_lat.shape[:3] or q_pe.dtype != q_lat.dtype or q_lat.dtype not in (torch.float32,
+                                                                                              torch.bfloat16):
+        raise ValueError(f"q_lat [B, Q, H, rank] and q_pe [B, Q, H, rope] must share B, Q, H and a float32 / bfloat16 "
+                         f"dtype, got {list(q_lat.shape)} {q_lat.dtype} and {list(q_pe.shape)} {q_pe.dtype}")
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or kv.stride(-1) != 1:
+        raise ValueError("q_lat, q_pe and kv need a contiguous last dimension")
+    if fp8_rows:
+        if (rank, rope) != (FP8_RANK, FP8_ROPE) or kv.dtype != torch.uint8 or kv.shape[-1] != FP8_ROW_BYTES:
+            raise ValueError("FP8 rows are [rows, 656] uint8 with rank 512 and rope 64")
+        if kv.stride(0) % 4 or kv.data_ptr() % 4:
+            raise ValueError("FP8 rows must start at 4-byte aligned addresses (their scales are float32)")
+    elif kv.dtype != q_lat.dtype or kv.shape[-1] < rank + rope:
+        raise ValueError(f"kv rows must be [rows, >= rank + rope] in q's dtype, got {list(kv.shape)} {kv.dtype}")
+    if union is None:
+        if locations.dim() != 3 or locations.shape[:2] != (batch, queries):
+            raise ValueError(f"locations must be [B, Q, K] = [{batch}, {queries}, K], got {list(locations.shape)}")
+        union = union_of_queries(locations.contiguous())
+    config = config or MlaConfig()
+    out = torch.empty(batch, queries, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
+    qh = queries * heads
+    if batch == 0 or qh == 0:
+        return out
+    width = union.locations.shape[1]
+    block_m = min(config.block_m, _pow2(qh))
+    m_tiles = -(-qh // block_m)
+    splits = choose_splits(config, batch, m_tiles, width)
+    direct = splits == 1
+    device = q_lat.device
+    part = lse = out  # unused when direct
+    if not direct:
+        part = torch.empty(batch * splits * qh, rank, dtype=torch.float32, device=device)
+        lse = torch.empty(batch * splits * qh, dtype=torch.float32, device=device)
+    locs = union.locations.contiguous()
+    member = union.member.contiguous() if union.member is not None else locs
+    kv_f32 = kv.view(torch.float32) if fp8_rows else kv
+    kv_bf16 = kv.view(torch.bfloat16) if fp8_rows else kv
+    dot = tl.bfloat16 if q_lat.dtype == torch.bfloat16 else tl.float32
+    _split_kernel[(m_tiles, splits, batch)](
+        q_lat, q_pe, kv, kv_f32, kv_bf16, locs, member, union.length, out, part, lse,
+        q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+        kv.stride(0), locs.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        heads, qh, rank, rope, splits, softmax_scale * LOG2E,
+        FORMAT=KV_FP8 if fp8_rows else KV_FLOAT, HAS_MEMBER=union.member is not None, DIRECT=direct, DOT=dot,
+        IEEE=q_lat.dtype == torch.float32, EMULATE=interpreting(),
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_R=_pow2(rank), BLOCK_P=_pow2(rope),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if not direct:
+        _combine_kernel[(m_tiles, batch)](
+            part, lse, out, out.stride(0), out.stride(1), out.stride(2), heads, qh, rank, splits,
+            BLOCK_M=block_m, BLOCK_R=_pow2(rank), num_warps=config.num_warps,
+        )
+    return out
