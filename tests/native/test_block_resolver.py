@@ -12,13 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dhisparse.kv  # noqa: F401  (first: `dhisparse.native` alone hits main's native -> kv -> native import cycle)
-from dhisparse import native
-from dhisparse.kernels import abi
+from dhisparse.kernels import abi, native
 from dhisparse.kernels.reference import padded_resolution
+from dhisparse.kernels.resolver import HotCacheOverflowError, resolve
 from dhisparse.kernels.resolver_traces import expected_step, mismatch, step_outputs, step_trace
 from dhisparse.kernels.self_check import resolver_case
-from dhisparse.kv.resolver import HotCacheOverflowError, resolve
 
 pytestmark = pytest.mark.skipif(
     not native.available(),

@@ -5,7 +5,7 @@ A trace is one KV step of an index group as the step resolver (``StepResolveArgs
 sources selected by the same positions (``Q`` verification queries of ``K`` entries each, so duplicates across
 queries), a page-table snapshot with some pages direct, and hot caches holding about ``1 - miss_rate`` of each
 row's non-direct selections (the rest miss and are fetched from host pages). The expected result is
-:func:`dhisparse.kv.resolver.resolve` per source — the specification every resolver (the CPU library, the CUDA
+:func:`dhisparse.kernels.resolver.resolve` per source — the specification every resolver (the CPU library, the CUDA
 kernel, the kernel's block code run on the CPU) must equal. Used by ``tests/native/test_block_resolver.py`` and
 ``scripts/gpu_check.py`` (the kernel on a GPU against the CPU library on the same trace).
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.kv.resolver import resolve
+from dhisparse.kernels.resolver import resolve
 
 
 @dataclass
