@@ -17,9 +17,9 @@ from tiny_models import random_prompts
 from dhisparse import LLM, SamplingParams
 from dhisparse.errors import ConfigError, RequestFailedError
 from dhisparse.kernels import selection
-from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kernels.selection import KernelSelection
 from dhisparse.kernels.torch_kernels import TorchKernels
+from dhisparse.kernels.resolver import HotCacheOverflowError
 
 
 class DevicePathStandIn(TorchKernels):

@@ -15,9 +15,9 @@ from tiny_models import build_spec_engine, make_checkpoint, random_prompts
 
 from dhisparse import LLM, SamplingParams
 from dhisparse.kernels import native
-from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kernels.selection import check_native_resolver, select_kernels
 from dhisparse.kernels.self_check import CheckResult
+from dhisparse.kernels.resolver import HotCacheOverflowError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU library not built (setup_native.sh)")
 
