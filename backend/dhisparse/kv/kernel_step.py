@@ -1,23 +1,23 @@
-"""The KV step's CUDA-kernel path: resolution and host fetch of one source without a host round trip, and
+"""The KV step's CUDA-kernel path: resolution and host fetch of an index group without a host round trip, and
 sparse MLA attention over the resolved locations.
 
 :class:`dhisparse.kv.step.StepKV` calls into this module only when the manager's kernel selection runs on the
 device (``selection.kernels.on_device``); the torch path of ``StepKV`` is untouched otherwise.
 
-Per source (and, for a GLM index group, for every source of the group at the leader layer, so that the
-shared layers' rows are copied ahead on the copy stream while the current layer attends):
+Per index group (the sources a GLM leader layer's selection serves, or one source), at its first reader:
 
-1. the resolver kernel runs on the current stream (outputs padded with ``-1``, hot-cache state updated on
-   the device);
-2. the missing rows' host indices are computed on the device from the request's host pages
-   (``host_page * P + position % P``, ``-1`` where there is nothing to copy);
-3. one row-copy kernel launch on the copy stream (``CopyEngine.issue_gather``, after the current stream's
-   work) reads them from pinned host memory into their hot-cache slots — through the host store's mapped view
-   when it has several chunks, so one launch whatever their number (:func:`_host_source`); the resolver's
-   status column is copied to pinned memory in the same stream order and checked when the ticket completes
-   (a hot-cache overflow raises :class:`HotCacheOverflowError` then, at the latest in ``end_step``);
-4. readers make the current stream wait for the copy's event (``CopyEngine.wait_for_read``) instead of
-   synchronising the host.
+1. **one step-resolver launch** for the whole batch and every source of the group (``CudaKernels.resolve_step``,
+   ``StepResolveArgs`` of ``plugins/common/include/dhisparse/launch.h``): it reads the step's page-table snapshot
+   and the hot state and host page ids where they live in the batch state's slots, updates the hot state in place,
+   takes verification staging rows for misses past the evictable slots, adds the per-request counts (and staged
+   rows) into the step's report, or-s its error bits into a flag word, and writes each source's fetch list (host
+   rows → arena rows, ``-1`` padded) in the same launch;
+2. per source, one row-copy kernel launch on the copy stream (``CopyEngine.issue_gather``, after the current
+   stream's work) reads the rows from pinned host memory into their hot slots or staging rows — through the host
+   store's mapped view when it has several chunks, so one launch whatever their number (:func:`_host_source`); a
+   shared layer's rows are copied while the leader attends;
+3. readers make the current stream wait for the copy's event (``CopyEngine.wait_for_read``) instead of
+   synchronising the host; the flag word is folded into the step's flags, read once with the report.
 """
 
 from __future__ import annotations
@@ -28,69 +28,63 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution
+from dhisparse.host_values import to_device
 
 if TYPE_CHECKING:
     from dhisparse.kv.copies import CopyTicket
     from dhisparse.kv.step import StepKV, StepParts
 
-
-# Host page ids of each open step's requests on the device ([B, S, M]), moved once per step, not per source.
-_DEVICE_HOST_PAGES: weakref.WeakKeyDictionary[StepKV, torch.Tensor] = weakref.WeakKeyDictionary()
-
-
-def _device_host_pages(step: StepKV, device: torch.device) -> torch.Tensor:
-    pages = _DEVICE_HOST_PAGES.get(step)
-    if pages is None:
-        assert step.host_pages is not None
-        pages = step.host_pages.to(device, non_blocking=True)
-        _DEVICE_HOST_PAGES[step] = pages
-    return pages
+# Step-constant device values (stamp [1], slots [B]) of each open step, moved once per step.
+_STEP_VALUES: weakref.WeakKeyDictionary[StepKV, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
-def resolve_on_device(step: StepKV, manager: StepParts, source: int, positions: torch.Tensor
-                      ) -> tuple[Resolution, CopyTicket | None]:
-    """Resolve ``positions [B, X, K]`` of ``source`` with the resolver kernel and issue the host fetch of
-    its misses with the row-copy kernel. Updates ``step.hot_pos`` / ``hot_stamp`` / ``counts`` like the torch
-    path. The returned resolution's copy fields are the kernel's padded ``[B * N]`` lists (``-1`` = none)."""
+def _step_values(step: StepKV, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    values = _STEP_VALUES.get(step)
+    if values is None:
+        both = to_device([step.stamp, *step.slots], torch.int64, device)
+        values = _STEP_VALUES[step] = (both[:1], both[1:])
+    return values
+
+
+def resolve_group_on_device(step: StepKV, manager: StepParts, sources: torch.Tensor, staging_slots: list[int] | None,
+                            positions: torch.Tensor) -> tuple[torch.Tensor, list[CopyTicket | None], torch.Tensor]:
+    """Resolve ``positions [B, X, K]`` for the group's ``sources [G]`` (a device int64 tensor) with one
+    step-resolver launch and issue each source's host fetch with the row-copy kernel.
+
+    ``staging_slots``: each source's verification staging slot (distinct), or ``None`` without staging. Returns
+    ``locations [G, B, X*K]``, one copy ticket per source (``None`` without a host store) and the launch's int32
+    error bits ``[1]`` (``kernels.native.STEP_*``; the caller folds them into the step's flags)."""
     kernels = manager.kernels.kernels
-    page_rows = manager.pool.page_rows
+    device = manager.device
     batch = len(step.requests)
+    state = step._batch
     flat = positions.reshape(batch, -1).contiguous()
-    out = kernels.resolve_padded(flat, step.page_table[:, source], step.hot_pos[:, source],
-                                 step.hot_stamp[:, source], step.hot_loc[:, source], step.stamp, page_rows)
-    step.store_hot(source, out["hot_pos"], out["hot_stamp"])
-    step.counts += out["summary"][:, 3:6].to(torch.int64)
-    n = flat.shape[1]
-    resolution = Resolution(
-        locations=out["locations"], steps=out["steps"], hot_pos=out["hot_pos"], hot_stamp=out["hot_stamp"],
-        copy_request=torch.arange(batch, device=flat.device).repeat_interleave(n),
-        copy_position=out["copy_position"].reshape(-1), copy_slot=out["copy_slot"].reshape(-1),
-        copy_location=out["copy_location"].reshape(-1), counts=out["summary"][:, 3:6].to(torch.int64),
-        staged=torch.zeros(batch, dtype=torch.int64, device=flat.device),  # the kernel path runs without staging
-    )
-    if step.host_pages is None:  # resident policy: every row is direct, nothing can miss
-        return resolution, None
-    host_pages = _device_host_pages(step, flat.device)[:, source]  # [B, M] host page ids
-    wanted = out["copy_position"]
-    valid = wanted >= 0
-    safe = wanted.clamp(min=0)
-    page = host_pages.gather(1, (safe // page_rows).clamp(max=host_pages.shape[1] - 1))
-    src_rows = torch.where(valid, page * page_rows + safe % page_rows, torch.full_like(safe, -1))
-    status = out["summary"][:, 0].contiguous()
-
-    def check_status() -> None:
-        watched = ticket.watched
-        if watched is not None and bool((watched != 0).any()):
-            row = int(torch.nonzero(watched)[0])
-            raise HotCacheOverflowError(
-                f"request row {row} (source {source}): the resolver kernel found more missing rows than its "
-                f"hot cache of {step.hot_pos.shape[2]} slots can take; raise hot_rows (B)")
-
-    host, src_rows, launch = _host_source(kernels.copy_rows, manager.host.rows, src_rows, flat.device)
-    ticket = manager.copies.issue_gather("fetch", manager.pool.arena, out["copy_location"], host, src_rows, launch,
-                                         on_done=check_status, watch=status)
-    return resolution, ticket
+    stamp, slots = _step_values(step, device)
+    staging = None
+    if staging_slots is not None:
+        first = staging_slots[0]
+        consecutive = staging_slots == list(range(first, first + len(staging_slots)))
+        staging = step.staging_loc[:, first: first + len(staging_slots)] if consecutive else \
+            step.staging_loc[:, to_device(staging_slots, torch.int64, device)]
+    groups, n = sources.numel(), flat.shape[1]
+    out = {"locations": torch.empty(groups, batch, n, dtype=torch.int64, device=device),
+           "fetch_src": torch.empty(groups, batch, n, dtype=torch.int64, device=device),
+           "fetch_dst": torch.empty(groups, batch, n, dtype=torch.int64, device=device),
+           "counts": step.counts, "staged": step.staged,
+           "flags": torch.zeros(1, dtype=torch.int32, device=device)}
+    host_pages = state.host_pages if manager.uses_host else None
+    kernels.resolve_step(stamp, flat, step.lengths, sources, slots, step.page_table, state.hot_pos, state.hot_stamp,
+                         state.hot_loc, host_pages, staging, manager.pool.page_rows, out)
+    if step._scatter is not None:  # the step's gathered copy of the hot state is stale: read again on use
+        step._slot_state.pop("hot_pos", None)
+        step._slot_state.pop("hot_stamp", None)
+    tickets: list[CopyTicket | None] = [None] * groups
+    if host_pages is not None:
+        for g in range(groups):
+            host, src, launch = _host_source(kernels.copy_rows, manager.host.rows, out["fetch_src"][g], device)
+            tickets[g] = manager.copies.issue_gather("fetch", manager.pool.arena, out["fetch_dst"][g], host, src,
+                                                     launch)
+    return out["locations"], tickets, out["flags"]
 
 
 def _host_source(launch: Callable[..., None], host: object, src_rows: torch.Tensor, device: torch.device

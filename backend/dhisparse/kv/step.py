@@ -302,7 +302,8 @@ class StepKV(StepResolution):
                 other_source = m.layout.source_of_layer[other]
                 if other_source not in todo and self._lookup(other_source, positions) is None:
                     todo[other_source] = m.layout.staging_slot_of_layer(other)
-            if len(todo) > 1 and not m.debug_checks and (self.all_direct or (
+            device_group = m.kernels.on_device and len(set(todo.values())) == len(todo)  # distinct staging slots
+            if len(todo) > 1 and not m.debug_checks and (self.all_direct or device_group or (
                     not self.staging_loc.shape[2] and not m.kernels.on_device)):
                 self._resolve_group(list(todo.items()), positions)  # the group's sources in one resolution
             else:
@@ -334,7 +335,7 @@ class StepKV(StepResolution):
         ``[direct, hot, host, staged]``."""
         batch = len(self.requests)
         flags = values[4 * batch:]
-        errors = (ValueError, HotCacheOverflowError, RuntimeError)
+        errors = (ValueError, HotCacheOverflowError, RuntimeError, RuntimeError)
         for flag, is_set in enumerate(flags):
             if is_set:
                 raise errors[flag](_FLAG_MESSAGES[flag])

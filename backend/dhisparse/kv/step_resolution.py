@@ -4,10 +4,10 @@
   giving the same locations as :func:`~dhisparse.kernels.resolver.resolve`, which would find every position direct and
   leave the hot cache untouched; the checks (position past the length, unmapped page) and the direct-row counts
   are deferred and settled once per step (:meth:`StepResolution._settle_deferred`, called by ``report``).
-- **Otherwise** the torch resolver (on the device, fixed-shape fetch list) or, with the CUDA kernels and no
-  verification staging, the resolver and row-copy kernels; on a CPU device with the native library selected
-  (``kernels="auto"``) and no verification staging, one call of the library per source or index group
-  (:meth:`StepResolution._resolve_native`).
+- **Otherwise** the torch resolver (on the device, fixed-shape fetch list) or, with the CUDA kernels, one launch
+  of the step resolver per index group (staging included) and the row-copy kernel per source; on a CPU device with
+  the native library selected (``kernels="auto"``) and no verification staging, one call of the library per
+  source or index group (:meth:`StepResolution._resolve_native`).
 - **Index groups**: sources selected by the same positions are resolved together, as ``[G, B, ...]`` rows of one
   resolution (a view of the step's state when the sources are consecutive; rows are independent, so each source
   gets what its own call would give), on direct steps and on the torch resolver without staging; host fetches stay
@@ -44,13 +44,15 @@ class _Resolved:
     staged: bool  # rows may live in the staging slot
 
 # Error flags accumulated on the device during a step (read once, see ``report``).
-FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
+FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, FLAG_NO_HOST_COPY = range(4)
 _FLAG_MESSAGES = (
     "gather: a selected position is at or past the request's length",
     "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots "
     "plus verification staging rows; raise hot_rows (B) to at least the number of distinct rows one step can "
     "select",
     "tail page of a new row is not mapped (begin_step broke its contract)",
+    "a missed row has no host copy (its page was never backed up), or the step resolver was given a source or slot "
+    "out of range: the KV hierarchy's residency invariant is broken",
 )
 
 
@@ -80,6 +82,10 @@ def _source_tensor(sources: tuple[int, ...], device: torch.device) -> torch.Tens
 _NATIVE_FLAGS = ((native.STEP_BAD_POSITION, FLAG_BAD_POSITION, ValueError),
                  (native.STEP_HOT_CACHE_OVERFLOW, FLAG_OVERFLOW, HotCacheOverflowError),
                  (native.STEP_UNMAPPED, FLAG_UNMAPPED, RuntimeError))
+# The CUDA step resolver's error bits (kernels.native.STEP_*; 16: a source or slot out of range) and the flag each sets.
+_DEVICE_FLAGS = ((native.STEP_BAD_POSITION, FLAG_BAD_POSITION, ValueError),
+                 (native.STEP_HOT_CACHE_OVERFLOW, FLAG_OVERFLOW, HotCacheOverflowError),
+                 (native.STEP_NO_HOST_COPY | 16, FLAG_NO_HOST_COPY, RuntimeError))
 
 
 class StepResolution:
@@ -122,22 +128,17 @@ class StepResolution:
             self._snapshot_hot()
             self._resolve_native([(source, slot)], positions)  # checks the positions itself
             return
+        if m.kernels.on_device and not self.all_direct:  # CUDA kernels: one launch, its own checks
+            self._snapshot_hot()
+            self._resolve_device([(source, slot)], positions)
+            return
         # Once per resolution (the layers reusing it pass the same positions).
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
         if self.all_direct:  # debug_checks: the direct resolution's checks and counts at once
             self._resolve_direct([(source, slot)], positions)
             self._settle_deferred()
             return
-        # CUDA kernels: resolve and fetch without a host round trip. The resolver kernel has no staging step yet,
-        # so a step with verification staging resolves with the torch resolver (on the device as well).
         self._snapshot_hot()
-        if m.kernels.on_device and staging is None:
-            kres, kticket = kernel_step.resolve_on_device(self, m, source, positions)
-            self.resolver_calls += 1
-            if kticket is not None:
-                self._tickets.append(kticket)
-            self._resolved[source] = _Resolved(positions, kres.locations, kticket, slot, False)
-            return
         res = resolve(flat, self.page_table[:, source], self.hot_pos[:, source], self.hot_stamp[:, source],
                       self.hot_loc[:, source], self.stamp, m.pool.page_rows, staging, on_device=True)
         self.resolver_calls += 1
@@ -180,6 +181,9 @@ class StepResolution:
         self._snapshot_hot()
         if m.kernels.native_resolver is not None:
             self._resolve_native(todo, positions)  # checks the positions itself
+            return
+        if m.kernels.on_device:  # CUDA kernels: the group in one launch (checks included)
+            self._resolve_device(todo, positions)
             return
         self._flag(FLAG_BAD_POSITION, (flat >= self.lengths.view(-1, 1)).any(), ValueError)
 
@@ -239,6 +243,28 @@ class StepResolution:
                                                        range(len(todo)), strict=True):
             ticket = self._issue_fetch(out.fetch_src[g, :width], out.fetch_dst[g, :width]) if width and ok else None
             self._resolved[source] = _Resolved(positions, locations, ticket, slot, False)
+
+    def _resolve_device(self, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
+        """The sources ``todo`` (``(source, staging slot)``; distinct staging slots) resolved by one launch of the CUDA
+        step resolver for the whole batch, verification staging included, each source's host fetch issued on the
+        copy stream (``kernel_step.resolve_group_on_device``); its error bits become the step's flags."""
+        m = self._m
+        staged = bool(self.staging_loc.shape[2])
+        sources = _source_tensor(tuple(s for s, _ in todo), m.device)
+        locations, tickets, bits = kernel_step.resolve_group_on_device(
+            self, m, sources, [slot for _, slot in todo] if staged else None, positions)
+        self.resolver_calls += len(todo)
+        for bit, flag, error in _DEVICE_FLAGS:
+            self._flag(flag, (bits & bit) != 0, error)
+        mine = {source for source, _ in todo}
+        for (source, slot), source_locations, ticket in zip(todo, locations.unbind(0), tickets, strict=True):
+            if staged:  # the staging slot's previous rows were overwritten: their entries must not be reused
+                for stale in [s for s, e in self._resolved.items() if e.staged and e.staging_slot == slot
+                              and s not in mine]:
+                    del self._resolved[stale]
+            if ticket is not None:
+                self._tickets.append(ticket)
+            self._resolved[source] = _Resolved(positions, source_locations, ticket, slot, staged)
 
     def _native_slots(self) -> torch.Tensor:
         """The step's slots as a CPU int64 tensor (made on first use)."""
