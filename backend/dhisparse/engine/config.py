@@ -25,7 +25,7 @@ class EngineConfig:
     """Serving defaults. Byte quantities are bytes; row quantities are KV rows (tokens of one source)."""
 
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # "auto": CUDA when torch sees a GPU, else the CPU (dhisparse.device.resolve_device)
     max_batch_size: int = 32
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     max_new_tokens_limit: int = 0  # 0: up to max_model_len

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.dense_kv import DenseKVManager
 from dhisparse.errors import ConfigError
@@ -17,7 +18,7 @@ def make_kv_manager(model_cfg: ModelConfig, cfg: EngineConfig, max_query_len: in
     (sized by the KV config) it is the speculative state the budget counts as required memory."""
     from dhisparse.kernels import selection
 
-    device = torch.device(cfg.device)
+    device = resolve_device(cfg.device)
     # Decided (and on a GPU self-checked) before anything serves; an impossible kernels='cuda' fails here.
     kernels = selection.select_kernels(cfg.kernels, device)
     if getattr(model_cfg, "model_type", None) == "deepseek_v4":  # torch path only (see docs/deepseek_v4.md)

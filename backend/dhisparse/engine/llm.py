@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.request import RequestOutput, RequestUpdate
@@ -28,9 +29,7 @@ class LLM:
         self.config = EngineConfig.load(self.engine_dir / "runtime.json").with_overrides(**runtime_overrides)
         model_cfg = read_any_config(self.engine_dir)
         weights = load_any_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
-        import torch
-
-        device = torch.device(self.config.device)
+        device = resolve_device(self.config.device)
         model = build_model(model_cfg, weights, self.config.torch_dtype, device)
         speculator = None
         if self.config.speculative:

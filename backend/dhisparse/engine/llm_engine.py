@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.faults import FaultInjector, FaultyStepKV
 from dhisparse.engine.kv_factory import hierarchy_layout_config, make_kv_manager
@@ -110,7 +111,7 @@ class LLMEngine:
             if self.workspace is None:
                 raise ConfigError("pool_bytes 0 ('auto') needs the device workspace bound, which is not modelled "
                                   "for deepseek_v4; set pool_bytes")
-            cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(torch.device(cfg.device), self.workspace))
+            cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(resolve_device(cfg.device), self.workspace))
             self.cfg = cfg
         if self.workspace is not None:
             log.info("%s; KV pool %d bytes", self.workspace.describe(), cfg.pool_bytes)
