@@ -155,7 +155,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's protocol
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         flat = out if isinstance(out, (tuple, list)) else (out,)
         shapes = tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
