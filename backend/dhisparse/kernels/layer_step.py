@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from dhisparse.kernels.reference import FP8_ROW_BYTES
+from dhisparse.kv.mapped_host import MappedRows
 
 POLICIES = ("resident", "hisparse", "adaptive")
 
@@ -121,7 +122,7 @@ class LayerStack:
     staging."""
 
     def __init__(self, shape: LayerShape, case: StackCase, kernels: Any, arena: torch.Tensor, history_rows: int,
-                 host: torch.Tensor, device: torch.device) -> None:
+                 host: torch.Tensor | MappedRows, device: torch.device) -> None:
         b, s, length, p = case.batch, case.sources, case.history, shape.page_rows
         if length % p or length < shape.topk:
             raise ValueError(f"history {length} must be a multiple of the page ({p}) and at least top-k")
@@ -129,7 +130,10 @@ class LayerStack:
                 arena.shape[0] - history_rows < scratch_rows_needed(shape, b, case.queries, s):
             raise ValueError("the shared arena is smaller than this case needs")
         self.shape, self.case, self.kernels, self.device = shape, case, kernels, device
-        self.arena, self.host = arena, host
+        self.arena = arena
+        # The host store: a tensor indexed by host row, or a chunked store's mapped view (rows translated to its span).
+        self.host = host.span if isinstance(host, MappedRows) else host
+        self.host_view = host if isinstance(host, MappedRows) and host.allocated_rows > host.chunk_rows else None
         g = torch.Generator(device=device).manual_seed(case.seed)  # the data: equal under every policy
         layout = torch.Generator(device=device).manual_seed(case.seed + 1)  # which pages the policy keeps mapped
         pages = length // p
@@ -168,18 +172,19 @@ class LayerStack:
         self.keys = torch.randn(b, length, shape.index_dim, device=device, generator=g).to(torch.bfloat16)
         self.index_weights = torch.rand(shape.index_heads, device=device, generator=g)
         self.q_base = torch.randn(b, 1, shape.index_heads, shape.index_dim, device=device, generator=g)
+        # The drift: one fixed direction, so that an eager step and a CUDA-graph replay walk the same path.
+        self.q_drift = torch.randn(b, 1, shape.index_heads, shape.index_dim, device=device, generator=g) * case.drift
         self.q_spread = torch.randn(b, case.queries, shape.index_heads, shape.index_dim, device=device,
                                     generator=g) * case.spread  # verification queries: neighbours of one another
         q_dtype = torch.bfloat16
         self.q_lat = torch.randn(s, b, case.queries, shape.heads, shape.rank, device=device, generator=g).to(q_dtype)
         self.q_pe = torch.randn(s, b, case.queries, shape.heads, shape.rope, device=device, generator=g).to(q_dtype)
         self.scale = (shape.rank + shape.rope) ** -0.5
-        self.g = g
 
     def select(self) -> torch.Tensor:
         """The indexer's top-k positions ``[B, Q, K]`` for this step (queries drift from the last step's)."""
-        c, sh = self.case, self.shape
-        self.q_base.add_(torch.randn(self.q_base.shape, device=self.device, generator=self.g), alpha=c.drift)
+        sh = self.shape
+        self.q_base.add_(self.q_drift)
         q = (self.q_base + self.q_spread).to(torch.bfloat16)  # [B, Q, H, D]
         scores = torch.einsum("bqhd,bld->bqhl", q, self.keys).float().relu_()
         weighted = torch.einsum("bqhl,h->bql", scores, self.index_weights)
@@ -199,7 +204,10 @@ class LayerStack:
                                   self.page_table, self.hot_pos, self.hot_stamp, self.hot_loc, self.host_pages,
                                   self.staging_loc, self.shape.page_rows, out)
         for source in range(s):
-            self.kernels.copy_rows(self.host, self.arena, self.out["fetch_src"][source], self.out["fetch_dst"][source])
+            src = self.out["fetch_src"][source]
+            if self.host_view is not None:
+                src = torch.where(src >= 0, self.host_view.span_rows(src.clamp(min=0)), -1)
+            self.kernels.copy_rows(self.host, self.arena, src, self.out["fetch_dst"][source])
         return self.out["locations"]
 
     def step(self) -> list[torch.Tensor]:

@@ -78,6 +78,18 @@ class MlaConfig:
             raise ValueError(f"splits must be >= 0 and num_warps / num_stages >= 1, got {self}")
 
 
+# Smaller tiles to fall back to when a configuration does not fit the device (shared memory, registers): tried in
+# order, the first that compiles is kept for that launch signature.
+FALLBACKS = ((None, 16, None, 1), (32, 16, 4, 1), (16, 16, 4, 1))
+_WORKING: dict[tuple, MlaConfig] = {}
+
+
+def _out_of_resources(exc: BaseException) -> bool:
+    errors = getattr(getattr(triton, "runtime", None), "errors", None)
+    kind = getattr(errors, "OutOfResources", None)
+    return (kind is not None and isinstance(exc, kind)) or "out of resource" in str(exc).lower()
+
+
 def _pow2(n: int, low: int = 16) -> int:
     return max(low, 1 << max(n - 1, 0).bit_length())
 
@@ -273,6 +285,28 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locati
             raise ValueError(f"locations must be [B, Q, K] = [{batch}, {queries}, K], got {list(locations.shape)}")
         union = union_of_queries(locations.contiguous())
     config = config or MlaConfig()
+    key = (config, q_lat.dtype, fp8_rows, queries > 1, heads, rank, rope, q_lat.device.type)
+    config = _WORKING.get(key, config)
+    for m, n, warps, stages in ((None, None, None, None), *FALLBACKS):
+        attempt = MlaConfig(block_m=m or config.block_m, block_n=n or config.block_n,
+                            num_warps=warps or config.num_warps, num_stages=stages or config.num_stages,
+                            splits=config.splits, target_programs=config.target_programs)
+        try:
+            out = _launch(q_lat, q_pe, kv, union, softmax_scale, fp8_rows, attempt)
+        except Exception as exc:
+            if not _out_of_resources(exc) or (m, n, warps, stages) == FALLBACKS[-1]:
+                raise
+            continue
+        _WORKING[key] = attempt
+        return out
+    raise AssertionError("unreachable")
+
+
+def _launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, union: RowUnion, softmax_scale: float,
+            fp8_rows: bool, config: MlaConfig) -> torch.Tensor:
+    """One launch of the split kernel (and the combine kernel when the rows are split) with ``config``."""
+    batch, queries, heads, rank = q_lat.shape
+    rope = q_pe.shape[-1]
     out = torch.empty(batch, queries, heads, rank, dtype=q_lat.dtype, device=q_lat.device)
     qh = queries * heads
     if batch == 0 or qh == 0:
