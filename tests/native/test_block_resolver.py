@@ -132,3 +132,12 @@ def run_batched(case: tuple[torch.Tensor, ...], page_rows: int, dtype: torch.dty
     args = abi.pack_resolver(stamp, positions, page_table, hot_pos, hot_stamp, hot_loc, page_rows, out)
     assert abi.emulate_launch(abi.KIND_RESOLVER, args) == abi.PLAN_OK
     return out
+
+
+def test_the_kernel_block_code_passes_the_engine_start_up_self_check() -> None:
+    """What the engine runs before serving on a GPU, with the block code in place of the GPU: every check passes."""
+    from dhisparse.kernels.emulated import EmulatedKernels
+    from dhisparse.kernels.self_check import failures, run_self_check
+
+    results = run_self_check(EmulatedKernels(), torch.device("cpu"), seed=4)
+    assert "step_resolver" in {r.kernel for r in results} and failures(results) is None
