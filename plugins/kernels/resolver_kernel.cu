@@ -133,23 +133,27 @@ __global__ void __launch_bounds__(kResolverThreads) step_resolver_kernel(StepRes
     step_resolver_block(DeviceBlock{scan}, args, blockIdx.x, s, counters);
 }
 
-//! Launches `kernel` with the plan's shared memory (opting in past 48 KB) or its workspace.
+//! Launches `kernel` with the plan's shared memory (opting in past 48 KB) or its workspace. `opted_in` is the
+//! largest dynamic shared memory already allowed for this kernel: the attribute is set only when a launch needs more,
+//! so launches inside a CUDA-graph capture make no other runtime call (it only grows; a race sets it twice; one
+//! device per process, as every engine rank is).
 template <typename Kernel, typename Args>
 cudaError_t launch_planned(Kernel kernel, Args const& args, LaunchPlan const& plan, int64_t row_bytes,
-    void* workspace, cudaStream_t stream)
+    void* workspace, cudaStream_t stream, int& opted_in)
 {
     if (plan.workspace_bytes > 0 && workspace == nullptr)
     {
         return cudaErrorInvalidValue;
     }
     int const shared = static_cast<int>(plan.shared_bytes);
-    if (shared > 48 * 1024)
+    if (shared > 48 * 1024 && shared > opted_in)
     {
         cudaError_t const err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
         if (err != cudaSuccess)
         {
             return err;
         }
+        opted_in = shared;
     }
     void* const scratch = plan.workspace_bytes > 0 ? workspace : nullptr;
     kernel<<<static_cast<unsigned>(plan.grid_x), plan.block, static_cast<size_t>(shared), stream>>>(
@@ -177,9 +181,11 @@ cudaError_t launch_resolver(ResolverArgs const& args, void* workspace, cudaStrea
         return cudaErrorInvalidValue;
     }
     int64_t const row_bytes = resolver_row_scratch_bytes(args.n_select, args.hot_rows);
+    static int opted_in32 = 0;
+    static int opted_in64 = 0;
     return args.index_bytes == 4
-        ? launch_planned(resolver_kernel<int32_t>, args, plan, row_bytes, workspace, stream)
-        : launch_planned(resolver_kernel<int64_t>, args, plan, row_bytes, workspace, stream);
+        ? launch_planned(resolver_kernel<int32_t>, args, plan, row_bytes, workspace, stream, opted_in32)
+        : launch_planned(resolver_kernel<int64_t>, args, plan, row_bytes, workspace, stream, opted_in64);
 }
 
 cudaError_t launch_step_resolver(StepResolveArgs const& args, void* workspace, cudaStream_t stream)
@@ -194,7 +200,8 @@ cudaError_t launch_step_resolver(StepResolveArgs const& args, void* workspace, c
         return cudaErrorInvalidValue;
     }
     int64_t const row_bytes = resolver_row_scratch_bytes(args.n, args.hot_rows);
-    return launch_planned(step_resolver_kernel, args, plan, row_bytes, workspace, stream);
+    static int opted_in = 0;
+    return launch_planned(step_resolver_kernel, args, plan, row_bytes, workspace, stream, opted_in);
 }
 
 } // namespace cuda

@@ -1,11 +1,12 @@
-"""The CUDA kernels behind the launcher layer: resolver, host→device row copy, sparse MLA decode.
+"""The CUDA kernels behind the launcher layer: resolvers, host→device row copy, sparse MLA decode.
 
-Every call packs an argument struct (:mod:`dhisparse.kernels.abi`) and launches through
+Every resolver and copy call packs an argument struct (:mod:`dhisparse.kernels.abi`) and launches through
 ``dhisparse::cuda::launch_*`` — the host code the TensorRT plugins' ``enqueue`` runs — on torch's current
 CUDA stream (or the stream given). Launches are asynchronous; nothing here synchronises with the host except
 :meth:`CudaKernels.resolve`, which compacts the copy list like :func:`dhisparse.kernels.resolver.resolve` (the
-self-check uses it). The request path uses :meth:`CudaKernels.resolve_padded`, whose copy list stays padded
-with ``-1`` on the device so that the row copy can consume it without a host round trip.
+self-check uses it). The request path uses :meth:`CudaKernels.resolve_step` (an index group for the whole batch in
+one launch, fetch lists padded with ``-1`` on the device for the row copy to consume as they are). Attention runs
+the Triton-lang kernel (:mod:`dhisparse.kernels.triton_mla`) when Triton is installed, else the CUDA C++ kernel.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kernels.resolver import Resolution, resolve
 from dhisparse.kernels.torch_kernels import TorchKernels
 
@@ -194,7 +195,7 @@ def check_step_resolver(kernels: Any, device: torch.device, g: torch.Generator) 
         want, got = trace.clone(), trace.to(device)
         want_out, got_out = step_outputs(want), step_outputs(got)
         for kernel_set, state, out in ((TorchKernels(), want, want_out), (kernels, got, got_out)):
-            kernel_set.resolve_step(torch.tensor([trace.stamp], device=state.positions.device), state.positions,
+            kernel_set.resolve_step(to_device([trace.stamp], torch.int64, state.positions.device), state.positions,
                                     state.lengths, state.sources, state.slots, state.page_table, state.hot_pos,
                                     state.hot_stamp, state.hot_loc, state.host_pages, state.staging_loc,
                                     trace.page_rows, out)

@@ -27,18 +27,20 @@ else is the GPU code path.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
 
 import torch
 
 from dhisparse.kernels.mla_union import RowUnion, union_of_queries
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # optional: the CUDA C++ kernel and the torch reference serve without it
-    triton = None
-    tl = None
+# Triton is optional (the extra ``kernels``): the CUDA C++ kernel and the torch reference serve without it. Its
+# kernels live in ``triton_mla_kernels``, imported on first use: importing Triton costs ~0.6 s, and Triton decides
+# between compiling and interpreting (``TRITON_INTERPRET``) when a kernel is defined.
+_TRITON_FOUND = importlib.util.find_spec("triton") is not None
 
 FP8_RANK, FP8_ROPE, FP8_ROW_BYTES = 512, 64, 656
 KV_FLOAT, KV_FP8 = 0, 1
@@ -46,15 +48,26 @@ LOG2E = 1.4426950408889634
 
 
 def available() -> bool:
-    """Whether Triton-lang is importable (the kernels then run on CUDA tensors, or on CPU tensors in interpreter
+    """Whether Triton-lang is installed (the kernels then run on CUDA tensors, or on CPU tensors in interpreter
     mode)."""
-    return triton is not None
+    return _TRITON_FOUND
+
+
+@cache
+def _kernels() -> ModuleType:
+    from dhisparse.kernels import triton_mla_kernels  # optional dependency, defined on first use (see above)
+
+    return triton_mla_kernels
 
 
 def interpreting() -> bool:
-    """Whether the kernels were made for Triton's CPU interpreter (``TRITON_INTERPRET=1`` when this module was
-    first imported: Triton decides when a kernel is defined)."""
-    return triton is not None and type(_split_kernel).__name__ == "InterpretedFunction"
+    """Whether the kernels are (or, not defined yet, will be) made for Triton's CPU interpreter: ``TRITON_INTERPRET=1``
+    when they are defined."""
+    if not _TRITON_FOUND:
+        return False
+    if _kernels.cache_info().currsize:
+        return type(_kernels()._split_kernel).__name__ == "InterpretedFunction"
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -85,6 +98,8 @@ _WORKING: dict[tuple, MlaConfig] = {}
 
 
 def _out_of_resources(exc: BaseException) -> bool:
+    import triton  # installed: a launch got this far
+
     errors = getattr(getattr(triton, "runtime", None), "errors", None)
     kind = getattr(errors, "OutOfResources", None)
     return (kind is not None and isinstance(exc, kind)) or "out of resource" in str(exc).lower()
@@ -103,149 +118,6 @@ def choose_splits(config: MlaConfig, batch: int, m_tiles: int, rows: int) -> int
     return max(1, min(want, -(-rows // config.block_n)))
 
 
-if triton is not None:
-
-    @triton.jit
-    def _fp8_e4m3_to_float(u):
-        """OCP e4m3 bits (int32 0..255) -> float32, exactly (NaN for 0x7f / 0xff)."""
-        sign = (u >> 7) << 31
-        exponent = (u >> 3) & 15
-        mantissa = u & 7
-        normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-        tiny = mantissa.to(tl.float32) * 0.001953125  # subnormal: mantissa * 2^-9
-        tiny = tl.where(sign != 0, -tiny, tiny)
-        value = tl.where(exponent == 0, tiny, normal)
-        return tl.where((exponent == 15) & (mantissa == 7), float("nan"), value)
-
-    @triton.jit
-    def _operand(x, DOT: tl.constexpr, EMULATE: tl.constexpr):
-        """A tensor-core operand in the product dtype (float32 in interpreter mode: see the module docstring)."""
-        if EMULATE:
-            return x.to(DOT).to(tl.float32)
-        return x.to(DOT)
-
-    @triton.jit
-    def _split_kernel(
-        q_lat, q_pe, kv, kv_f32, kv_bf16, locs, member, lengths, out, part, lse,
-        stride_qb, stride_qq, stride_qh, stride_pb, stride_pq, stride_ph, row_stride,
-        stride_lb, stride_ob, stride_oq, stride_oh,
-        heads, qh, rank, rope, splits, scale_log2,
-        FORMAT: tl.constexpr, HAS_MEMBER: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr,
-        IEEE: tl.constexpr, EMULATE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    ):
-        pid_m = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < qh
-        query = offs_m // heads
-        head = offs_m % heads
-        d = tl.arange(0, BLOCK_R)
-        p = tl.arange(0, BLOCK_P)
-        d_ok = d < rank
-        p_ok = p < rope
-        q_rows = b * stride_qb + query.to(tl.int64) * stride_qq + head.to(tl.int64) * stride_qh
-        ql = tl.load(q_lat + q_rows[:, None] + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        p_rows = b * stride_pb + query.to(tl.int64) * stride_pq + head.to(tl.int64) * stride_ph
-        qp = tl.load(q_pe + p_rows[:, None] + p[None, :], mask=m_ok[:, None] & p_ok[None, :], other=0.0)
-        ql = _operand(ql, DOT, EMULATE)
-        qp = _operand(qp, DOT, EMULATE)
-
-        length = tl.load(lengths + b)
-        per_split = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
-        begin = pid_s * per_split
-        end = tl.minimum(begin + per_split, length)
-
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for start in range(begin, end, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < end
-            loc = tl.load(locs + b * stride_lb + offs_n, mask=n_ok, other=-1).to(tl.int64)
-            row_ok = loc >= 0
-            row = tl.where(row_ok, loc, 0)
-            if FORMAT == 1:  # 656-byte FP8 rows: e4m3 latent * per-128 scale, bf16 rope
-                bits = tl.load(kv + row[:, None] * row_stride + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                               other=0).to(tl.int32)
-                scale = tl.load(kv_f32 + row[:, None] * (row_stride // 4) + 128 + d[None, :] // 128,
-                                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-                k_lat = _fp8_e4m3_to_float(bits) * scale
-                k_pe = tl.load(kv_bf16 + row[:, None] * (row_stride // 2) + 264 + p[None, :],
-                               mask=row_ok[:, None] & p_ok[None, :], other=0.0)
-            else:
-                k_lat = tl.load(kv + row[:, None] * row_stride + d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                                other=0.0)
-                k_pe = tl.load(kv + row[:, None] * row_stride + rank + p[None, :],
-                               mask=row_ok[:, None] & p_ok[None, :], other=0.0)
-            k_lat = _operand(k_lat, DOT, EMULATE)
-            k_pe = _operand(k_pe, DOT, EMULATE)
-            if IEEE:
-                s = tl.dot(ql, tl.trans(k_lat), input_precision="ieee")
-                s += tl.dot(qp, tl.trans(k_pe), input_precision="ieee")
-            else:
-                s = tl.dot(ql, tl.trans(k_lat))
-                s += tl.dot(qp, tl.trans(k_pe))
-            keep = row_ok[None, :] & m_ok[:, None]
-            if HAS_MEMBER:
-                bitmask = tl.load(member + b * stride_lb + offs_n, mask=n_ok, other=0)
-                keep = keep & (((bitmask[None, :] >> query[:, None]) & 1) != 0)
-            s = tl.where(keep, s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            prob = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(prob, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(_operand(prob, DOT, EMULATE), k_lat, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(_operand(prob, DOT, EMULATE), k_lat)
-            m_i = m_new
-
-        has = l_i > 0.0
-        result = acc / tl.where(has, l_i, 1.0)[:, None]
-        if DIRECT:
-            o_rows = b * stride_ob + query.to(tl.int64) * stride_oq + head.to(tl.int64) * stride_oh
-            tl.store(out + o_rows[:, None] + d[None, :], result.to(out.dtype.element_ty),
-                     mask=m_ok[:, None] & d_ok[None, :])
-        else:
-            slot = (b * splits + pid_s) * qh + offs_m
-            tl.store(part + slot.to(tl.int64)[:, None] * rank + d[None, :], result, mask=m_ok[:, None] & d_ok[None, :])
-            tl.store(lse + slot, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")), mask=m_ok)
-
-    @triton.jit
-    def _combine_kernel(
-        part, lse, out, stride_ob, stride_oq, stride_oh, heads, qh, rank, splits,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    ):
-        pid_m = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < qh
-        d = tl.arange(0, BLOCK_R)
-        d_ok = d < rank
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(0, splits):
-            top = tl.maximum(top, tl.load(lse + (b * splits + s) * qh + offs_m, mask=m_ok, other=float("-inf")))
-        top_safe = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for s in range(0, splits):
-            slot = (b * splits + s) * qh + offs_m
-            weight = tl.exp2(tl.load(lse + slot, mask=m_ok, other=float("-inf")) - top_safe)
-            values = tl.load(part + slot.to(tl.int64)[:, None] * rank + d[None, :], mask=m_ok[:, None] & d_ok[None, :],
-                             other=0.0)
-            acc += weight[:, None] * values
-            total += weight
-        result = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-        query = offs_m // heads
-        head = offs_m % heads
-        o_rows = b * stride_ob + query.to(tl.int64) * stride_oq + head.to(tl.int64) * stride_oh
-        tl.store(out + o_rows[:, None] + d[None, :], result.to(out.dtype.element_ty),
-                 mask=m_ok[:, None] & d_ok[None, :])
-
-
 def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locations: torch.Tensor,
                softmax_scale: float, fp8_rows: bool = False, config: MlaConfig | None = None,
                union: RowUnion | None = None) -> torch.Tensor:
@@ -262,7 +134,7 @@ def sparse_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locati
     Returns:
         ``out_lat [B, Q, H, rank]`` in q's dtype; zeros for a query with no valid row.
     """
-    if triton is None:
+    if not _TRITON_FOUND:
         raise RuntimeError("Triton-lang is not installed (pip install triton): the Triton sparse MLA kernel is "
                            "unavailable")
     batch, queries, heads, rank = q_lat.shape
@@ -325,8 +197,9 @@ def _launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, union: Ro
     member = union.member.contiguous() if union.member is not None else locs
     kv_f32 = kv.view(torch.float32) if fp8_rows else kv
     kv_bf16 = kv.view(torch.bfloat16) if fp8_rows else kv
-    dot = tl.bfloat16 if q_lat.dtype == torch.bfloat16 else tl.float32
-    _split_kernel[(m_tiles, splits, batch)](
+    k = _kernels()
+    dot = k.tl.bfloat16 if q_lat.dtype == torch.bfloat16 else k.tl.float32
+    k._split_kernel[(m_tiles, splits, batch)](
         q_lat, q_pe, kv, kv_f32, kv_bf16, locs, member, union.length, out, part, lse,
         q_lat.stride(0), q_lat.stride(1), q_lat.stride(2), q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv.stride(0), locs.stride(0), out.stride(0), out.stride(1), out.stride(2),
@@ -337,7 +210,7 @@ def _launch(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, union: Ro
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
-        _combine_kernel[(m_tiles, batch)](
+        k._combine_kernel[(m_tiles, batch)](
             part, lse, out, out.stride(0), out.stride(1), out.stride(2), heads, qh, rank, splits,
             BLOCK_M=block_m, BLOCK_R=_pow2(rank), num_warps=config.num_warps,
         )
