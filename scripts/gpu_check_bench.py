@@ -165,7 +165,7 @@ def check_resolver(env: Env) -> dict[str, Any]:
         out = step_outputs(dev)
         stamp = torch.tensor([t.stamp], device=env.device)
         env.kernels.resolve_step(stamp, dev.positions, dev.lengths, dev.sources, dev.slots, dev.page_table,
-                                 dev.hot_pos, dev.hot_stamp, dev.hot_loc, dev.host_pages, dev.staging_loc,
+                                 dev.hot_pos, dev.hot_stamp, dev.hot_loc, dev.host_pages, dev.staging,
                                  t.page_rows, out)
         problem = mismatch(out, dev, want)
         if problem:

@@ -1,4 +1,4 @@
-"""The KV step's device-kernel path (``dhisparse.kv.kernel_step``) driven on CPU by stand-ins.
+"""The KV step's device-kernel path (``dhisparse.kv.resolution.cuda``) driven on CPU by stand-ins.
 
 On a GPU the step resolves each index group with one step-resolver launch (hot state updated in the batch state's
 slots, fetch lists, counts and flags written by the kernel), issues one row-copy launch per source on the copy
@@ -38,12 +38,12 @@ class DevicePathStandIn(TorchKernels):
         self.hosts: list[torch.Tensor] = []  # what each row copy read from
 
     def resolve_step(self, stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp, hot_loc,
-                     host_pages, staging_loc, page_rows, out) -> None:
+                     host_pages, staging, page_rows, out) -> None:
         """The CUDA step resolver's block code, run on the CPU over the same tensors (``dhs_emulate_launch``)."""
         self.calls["resolve_step"] += 1
         self.groups.append(sources.numel())
         args = abi.pack_step_resolver(stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp,
-                                      hot_loc, host_pages, staging_loc, page_rows, out)
+                                      hot_loc, host_pages, staging, page_rows, out)
         assert abi.emulate_launch(abi.KIND_STEP_RESOLVER, args) == abi.PLAN_OK
 
     def copy_rows(self, host_rows, device_rows, src_rows, dst_rows, stream=None) -> None:

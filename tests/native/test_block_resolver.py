@@ -28,7 +28,7 @@ def emulate_step(t, staged: bool = True) -> dict[str, torch.Tensor]:
     out = step_outputs(t, staged)
     stamp = torch.tensor([t.stamp])  # alive until the launch ran: the struct holds its address only
     args = abi.pack_step_resolver(stamp, t.positions, t.lengths, t.sources, t.slots,
-                                  t.page_table, t.hot_pos, t.hot_stamp, t.hot_loc, t.host_pages, t.staging_loc,
+                                  t.page_table, t.hot_pos, t.hot_stamp, t.hot_loc, t.host_pages, t.staging,
                                   t.page_rows, out)
     assert abi.emulate_launch(abi.KIND_STEP_RESOLVER, args) == abi.PLAN_OK
     return out

@@ -145,7 +145,8 @@ def step_args(batch: int = 5, n: int = 300, groups: int = 3, hot_rows: int = 700
                                                                                      dtype=torch.int64),
             torch.zeros(slots_n, sources, hot_rows, dtype=torch.int64), torch.zeros(slots_n, sources, 11,
                                                                                      dtype=torch.int64),
-            torch.zeros(batch, groups, staging, dtype=torch.int64) if staging else None]
+            (torch.zeros(slots_n, groups + 2, staging, dtype=torch.int64), torch.arange(groups) + 1) if staging
+            else None]
     out = {"locations": torch.zeros(groups, batch, n, dtype=torch.int64),
            "steps": torch.zeros(groups, batch, n, dtype=torch.int8),
            "fetch_src": torch.zeros(groups, batch, n, dtype=torch.int64),
@@ -157,11 +158,11 @@ def step_args(batch: int = 5, n: int = 300, groups: int = 3, hot_rows: int = 700
 
 def test_step_resolver_packing_is_what_cpp_reads_and_its_plan() -> None:
     args, out, keep = step_args(staging=6)
-    stamp, positions, lengths, sources, slots, table, hot_pos, hot_stamp, hot_loc, host, staging = keep
-    expected = [5, 300, 3, 700, 16, 9, 11, 4, 7, 6, *table.stride()[:2], *hot_pos.stride()[:2], *host.stride()[:2],
-                *staging.stride()[:2]]
+    stamp, positions, lengths, sources, slots, table, hot_pos, hot_stamp, hot_loc, host, (staging, members) = keep
+    expected = [5, 300, 3, 700, 16, 9, 11, 4, 7, 6, 5, *table.stride()[:2], *hot_pos.stride()[:2],
+                *host.stride()[:2], *staging.stride()[:2]]
     expected += [t.data_ptr() for t in (stamp, positions, lengths, sources, slots, table, hot_pos, hot_stamp, hot_loc,
-                                        host, staging)]
+                                        host, members, staging)]
     expected += [out[k].data_ptr() for k in ("locations", "steps", "fetch_src", "fetch_dst", "counts", "staged",
                                              "flags")]
     assert abi.cpp_fields(abi.KIND_STEP_RESOLVER, args) == expected

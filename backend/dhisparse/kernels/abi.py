@@ -67,12 +67,12 @@ class SparseMlaArgs(ctypes.Structure):
 
 
 _STEP_SIZES = ("batch", "n", "groups", "hot_rows", "page_rows", "num_pages", "host_num_pages", "num_sources",
-               "num_slots", "staging_rows", "table_row_stride", "table_source_stride", "hot_slot_stride",
-               "hot_source_stride", "host_slot_stride", "host_source_stride", "staging_row_stride",
+               "num_slots", "staging_rows", "staging_count", "table_row_stride", "table_source_stride",
+               "hot_slot_stride", "hot_source_stride", "host_slot_stride", "host_source_stride", "staging_slot_stride",
                "staging_group_stride")
 _STEP_POINTERS = ("stamp", "positions", "lengths", "sources", "slots", "page_table", "hot_pos", "hot_stamp", "hot_loc",
-                  "host_pages", "staging_loc", "locations", "steps", "fetch_src", "fetch_dst", "counts", "staged",
-                  "flags")
+                  "host_pages", "staging_slots", "staging_loc", "locations", "steps", "fetch_src", "fetch_dst",
+                  "counts", "staged", "flags")
 
 
 class StepResolveArgs(ctypes.Structure):
@@ -136,17 +136,20 @@ def pack_resolver(
 def pack_step_resolver(
     stamp: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None, sources: torch.Tensor,
     slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
-    hot_loc: torch.Tensor, host_pages: torch.Tensor | None, staging_loc: torch.Tensor | None,
+    hot_loc: torch.Tensor, host_pages: torch.Tensor | None, staging: tuple[torch.Tensor, torch.Tensor] | None,
     page_rows: int, out: dict[str, torch.Tensor],
 ) -> StepResolveArgs:
     """Step-resolver arguments (``StepResolveArgs`` of launch.h), all int64: ``stamp [1]``, ``positions [B, N]``,
     ``lengths [B]`` (or None), ``sources [G]``, ``slots [B]``, ``page_table [B, S, M]`` (a snapshot by request),
     ``hot_pos / hot_stamp / hot_loc [slots, S, H]`` (one layout; updated in place), ``host_pages [slots, S, M']`` or
-    None, ``staging_loc [B, G, T]`` or None; 3-D tensors need a contiguous last dimension. ``out``: ``locations``
-    ``[G, B, N]``, ``steps`` (int8, optional), ``fetch_src`` / ``fetch_dst`` ``[G, B, N]``, ``counts [B, 3]``
-    (added to), ``staged [B]`` (optional, added to), ``flags`` int32 ``[1]`` (or-ed into)."""
+    None, ``staging`` = ``(staging_loc [slots, staging slots, T], staging_slots [G])`` (the batch state's staging rows
+    and each group member's staging slot) or None; 3-D tensors need a contiguous last dimension. ``out``:
+    ``locations`` ``[G, B, N]``, ``steps`` (int8, optional), ``fetch_src`` / ``fetch_dst`` ``[G, B, N]``, ``counts
+    [B, 3]`` (added to), ``staged [B]`` (optional, added to), ``flags`` int32 ``[1]`` (or-ed into)."""
+    staging_loc, staging_slots = staging if staging is not None else (None, None)
     for name, t in (("stamp", stamp), ("positions", positions), ("sources", sources), ("slots", slots),
-                    *((k, v) for k, v in out.items() if v is not None), ("lengths", lengths)):
+                    *((k, v) for k, v in out.items() if v is not None), ("lengths", lengths),
+                    ("staging_slots", staging_slots)):
         if t is None:
             continue
         want = torch.int32 if name == "flags" else torch.int8 if name == "steps" else torch.int64
@@ -166,20 +169,24 @@ def pack_step_resolver(
             out["fetch_dst"].shape != (groups, batch, n) or out["counts"].shape != (batch, 3):
         raise ValueError("locations / fetch_src / fetch_dst must be [G, B, N] and counts [B, 3]")
     host = host_pages if host_pages is not None else hot_pos
-    staging = staging_loc if staging_loc is not None else torch.zeros(batch, groups, 0, dtype=torch.int64)
-    if staging.shape[:2] != (batch, groups):
-        raise ValueError(f"staging_loc must be [B, G, T] = [{batch}, {groups}, T], got {list(staging.shape)}")
+    staged_rows = 0 if staging_loc is None else staging_loc.shape[2]
+    if staged_rows and (staging_slots is None or staging_slots.shape != (groups,)
+                        or staging_loc.shape[0] != hot_pos.shape[0]):
+        raise ValueError(f"staging must be (staging_loc [slots, staging slots, T], staging_slots [G = {groups}])")
     return StepResolveArgs(
         batch=batch, n=n, groups=groups, hot_rows=hot_pos.shape[2], page_rows=page_rows,
         num_pages=page_table.shape[2], host_num_pages=host.shape[2], num_sources=page_table.shape[1],
-        num_slots=hot_pos.shape[0], staging_rows=staging.shape[2], table_row_stride=page_table.stride(0),
+        num_slots=hot_pos.shape[0], staging_rows=staged_rows,
+        staging_count=staging_loc.shape[1] if staged_rows else 0, table_row_stride=page_table.stride(0),
         table_source_stride=page_table.stride(1), hot_slot_stride=hot_pos.stride(0),
         hot_source_stride=hot_pos.stride(1), host_slot_stride=host.stride(0), host_source_stride=host.stride(1),
-        staging_row_stride=staging.stride(0), staging_group_stride=staging.stride(1),
+        staging_slot_stride=staging_loc.stride(0) if staged_rows else 0,
+        staging_group_stride=staging_loc.stride(1) if staged_rows else 0,
         stamp=stamp.data_ptr(), positions=positions.data_ptr(), lengths=_ptr_of(lengths),
         sources=sources.data_ptr(), slots=slots.data_ptr(), page_table=page_table.data_ptr(),
         hot_pos=hot_pos.data_ptr(), hot_stamp=hot_stamp.data_ptr(), hot_loc=hot_loc.data_ptr(),
-        host_pages=_ptr_of(host_pages), staging_loc=_ptr_of(staging_loc) if staging.shape[2] else None,
+        host_pages=_ptr_of(host_pages), staging_slots=_ptr_of(staging_slots) if staged_rows else None,
+        staging_loc=_ptr_of(staging_loc) if staged_rows else None,
         locations=out["locations"].data_ptr(), steps=_ptr_of(out.get("steps")),
         fetch_src=out["fetch_src"].data_ptr(), fetch_dst=out["fetch_dst"].data_ptr(),
         counts=out["counts"].data_ptr(), staged=_ptr_of(out.get("staged")), flags=out["flags"].data_ptr(),

@@ -95,15 +95,18 @@ class CudaKernels:
     def resolve_step(self, stamp: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None,
                      sources: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor,
                      hot_stamp: torch.Tensor, hot_loc: torch.Tensor, host_pages: torch.Tensor | None,
-                     staging_loc: torch.Tensor | None, page_rows: int, out: dict[str, torch.Tensor]) -> None:
+                     staging: tuple[torch.Tensor, torch.Tensor] | None, page_rows: int,
+                     out: dict[str, torch.Tensor]) -> None:
         """One KV step's index group (``G = sources.numel()`` sources selected by ``positions [B, N]``) for the
         whole batch in **one launch** (``StepResolveArgs`` of launch.h; shapes in :func:`abi.pack_step_resolver`):
         hot state updated in place in the batch state's ``slots``, ``out``'s per-entry locations and ``[G, B, N]``
         fetch lists (host rows → arena rows, each request's copies first, ``-1`` after: the row-copy kernel's
-        input as is) written, counts / staged added, error bits or-ed into ``out["flags"]``. Every tensor on the
-        device (``stamp`` too: a captured graph replays the launch with the next step's stamp); asynchronous."""
+        input as is) written, verification staging from ``staging = (staging_loc [slots, staging slots, T],
+        staging_slots [G])`` (None: none), counts / staged added, error bits or-ed into ``out["flags"]``. Every
+        tensor on the device (``stamp`` too: a captured graph replays the launch with the next step's stamp);
+        asynchronous."""
         args = abi.pack_step_resolver(stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp,
-                                      hot_loc, host_pages, staging_loc, page_rows, out)
+                                      hot_loc, host_pages, staging, page_rows, out)
         plan = self.plan(abi.KIND_STEP_RESOLVER, args)
         workspace = self._workspace(plan, positions.device)
         rc = self._lib.dhs_cuda_launch_step_resolver(ctypes.byref(args), _address(workspace), self._stream(None))

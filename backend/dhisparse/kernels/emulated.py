@@ -20,10 +20,11 @@ class EmulatedKernels(TorchKernels):
     def resolve_step(self, stamp: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None,
                      sources: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor,
                      hot_stamp: torch.Tensor, hot_loc: torch.Tensor, host_pages: torch.Tensor | None,
-                     staging_loc: torch.Tensor | None, page_rows: int, out: dict[str, torch.Tensor]) -> None:
+                     staging: tuple[torch.Tensor, torch.Tensor] | None, page_rows: int,
+                     out: dict[str, torch.Tensor]) -> None:
         """``CudaKernels.resolve_step`` computed by the kernel's block code on the CPU (CPU tensors)."""
         args = abi.pack_step_resolver(stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp,
-                                      hot_loc, host_pages, staging_loc, page_rows, out)
+                                      hot_loc, host_pages, staging, page_rows, out)
         status = abi.emulate_launch(abi.KIND_STEP_RESOLVER, args)
         if status != abi.PLAN_OK:
             raise ValueError(abi.plan_error("step resolver", status))

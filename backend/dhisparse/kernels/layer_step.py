@@ -154,10 +154,11 @@ class LayerStack:
         self.hot_loc = self.hot_base + hot
         self.hot_pos = torch.full((b, s, shape.hot_rows), -1, dtype=torch.int64, device=device)
         self.hot_stamp = torch.zeros(b, s, shape.hot_rows, dtype=torch.int64, device=device)
-        self.staging_loc = None
+        self.staging: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [slots, staging slots, T], slot of s)
         if staging:
             base = self.hot_base + b * s * shape.hot_rows
-            self.staging_loc = base + torch.arange(b * s * staging, device=device).view(b, s, staging)
+            self.staging = (base + torch.arange(b * s * staging, device=device).view(b, s, staging),
+                            torch.arange(s, device=device))
         self.slots = torch.arange(b, device=device)
         self.sources = torch.arange(s, device=device)
         self.lengths = torch.full((b,), length, dtype=torch.int64, device=device)
@@ -202,7 +203,7 @@ class LayerStack:
         out = dict(self.out, counts=self.counts, staged=self.staged, flags=self.flags)
         self.kernels.resolve_step(self.stamp, flat.contiguous(), self.lengths, self.sources, self.slots,
                                   self.page_table, self.hot_pos, self.hot_stamp, self.hot_loc, self.host_pages,
-                                  self.staging_loc, self.shape.page_rows, out)
+                                  self.staging, self.shape.page_rows, out)
         for source in range(s):
             src = self.out["fetch_src"][source]
             if self.host_view is not None:

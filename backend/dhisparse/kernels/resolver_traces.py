@@ -34,7 +34,14 @@ class StepTrace:
     hot_stamp: torch.Tensor  # [slots, S, H]
     hot_loc: torch.Tensor  # [slots, S, H]
     host_pages: torch.Tensor  # [slots, S, M]
-    staging_loc: torch.Tensor | None  # [B, G, T]
+    staging_loc: torch.Tensor | None  # [slots, staging slots, T]
+    staging_slots: torch.Tensor | None  # [G] each group member's staging slot
+
+    @property
+    def staging(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the step resolver takes for staging: ``(staging_loc, staging_slots)`` or None."""
+        return None if self.staging_loc is None or self.staging_slots is None else (self.staging_loc,
+                                                                                    self.staging_slots)
 
     def to(self, device: torch.device | str) -> StepTrace:
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -110,13 +117,14 @@ def step_trace(seed: int, batch: int, sources: int, groups: int, queries: int, t
             held = torch.cat([keep, filler])[:hot_rows]
             at = torch.randperm(hot_rows, generator=g)[: held.numel()]
             hot_pos[slot, s, at] = held
-    staging = None
-    if staging_rows:
-        staging = 2 * 10**7 + torch.randperm(batch * groups * staging_rows, generator=g).view(batch, groups,
-                                                                                                 staging_rows)
+    staging = staging_slots = None
+    if staging_rows:  # the batch state's layout: per slot, groups + 1 staging slots, the members' in a random order
+        staging = 2 * 10**7 + torch.randperm(num_slots * (groups + 1) * staging_rows, generator=g).view(
+            num_slots, groups + 1, staging_rows)
+        staging_slots = torch.randperm(groups + 1, generator=g)[:groups]
     return StepTrace(stamp=100, page_rows=page_rows, positions=positions, lengths=lengths, sources=group,
                      slots=slots, page_table=page_table, hot_pos=hot_pos, hot_stamp=hot_stamp, hot_loc=hot_loc,
-                     host_pages=host_pages, staging_loc=staging)
+                     host_pages=host_pages, staging_loc=staging, staging_slots=staging_slots)
 
 
 def expected_step(t: StepTrace) -> StepExpected:
@@ -130,7 +138,9 @@ def expected_step(t: StepTrace) -> StepExpected:
     fetch_src, fetch_dst = [], []
     misses = union = 0
     for g, source in enumerate(t.sources.tolist()):
-        staging = t.staging_loc[:, g] if t.staging_loc is not None else None
+        staging = None
+        if t.staging_loc is not None and t.staging_slots is not None:
+            staging = t.staging_loc[t.slots, int(t.staging_slots[g])]
         res = resolve(t.positions, t.page_table[:, source], hot_pos[t.slots, source], hot_stamp[t.slots, source],
                       t.hot_loc[t.slots, source], t.stamp, t.page_rows, staging)
         hot_pos[t.slots, source] = res.hot_pos

@@ -35,7 +35,8 @@ class TorchKernels:
     def resolve_step(self, stamp: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None,
                      sources: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor,
                      hot_stamp: torch.Tensor, hot_loc: torch.Tensor, host_pages: torch.Tensor | None,
-                     staging_loc: torch.Tensor | None, page_rows: int, out: dict[str, torch.Tensor]) -> None:
+                     staging: tuple[torch.Tensor, torch.Tensor] | None, page_rows: int,
+                     out: dict[str, torch.Tensor]) -> None:
         """The step resolver's contract (``CudaKernels.resolve_step``, ``StepResolveArgs`` of launch.h) computed with
         :func:`resolve` per source, outputs in the kernel's form (padded fetch lists: copy ``k`` of a request at
         index ``k``, ``-1`` where it has no host page and after its copies). Reads the stamp on the host."""
@@ -44,9 +45,9 @@ class TorchKernels:
             batch, dtype=torch.bool, device=positions.device)
         flags = int(bool(bad.any()))
         for g, source in enumerate(sources.tolist()):
-            staging = staging_loc[:, g] if staging_loc is not None and staging_loc.shape[2] else None
+            rows = staging[0][slots, int(staging[1][g])] if staging is not None and staging[0].shape[2] else None
             res = resolve(positions, page_table[:, source], hot_pos[slots, source], hot_stamp[slots, source],
-                          hot_loc[slots, source], int(stamp[0]), page_rows, staging, on_device=True)
+                          hot_loc[slots, source], int(stamp[0]), page_rows, rows, on_device=True)
             assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
             assert res.fetch_location is not None
             ok = ~res.overflow & ~bad

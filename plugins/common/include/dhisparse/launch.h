@@ -84,15 +84,16 @@ struct StepResolveArgs
     int64_t host_num_pages;  //!< last dimension of host_pages
     int64_t num_sources;     //!< S (every sources[g] must be below it)
     int64_t num_slots;       //!< rows of the hot state / host_pages (every slots[b] must be below it)
-    int64_t staging_rows;    //!< T staging rows per (request, group member); 0: none
+    int64_t staging_rows;    //!< T staging rows per (slot, staging slot); 0: none
+    int64_t staging_count;   //!< staging slots per batch-state slot (every staging_slots[g] must be below it)
     int64_t table_row_stride;
     int64_t table_source_stride;   //!< of page_table [B, S, M]
     int64_t hot_slot_stride;
     int64_t hot_source_stride;     //!< of hot_pos / hot_stamp / hot_loc [slots, S, H]
     int64_t host_slot_stride;
     int64_t host_source_stride;    //!< of host_pages [slots, S, M']
-    int64_t staging_row_stride;
-    int64_t staging_group_stride;  //!< of staging_loc [B, G, T]
+    int64_t staging_slot_stride;
+    int64_t staging_group_stride;  //!< of staging_loc [slots, staging slots, T]
     void const* stamp;             //!< int64 [1]: this step's stamp
     int64_t const* positions;      //!< [B, N], negative = unused
     int64_t const* lengths;        //!< [B] history length of each request (null: not checked)
@@ -103,7 +104,8 @@ struct StepResolveArgs
     int64_t* hot_stamp;            //!< [slots, S, H] in/out
     int64_t const* hot_loc;        //!< [slots, S, H]
     int64_t const* host_pages;     //!< [slots, S, M'] host page ids (-1: none), or null (no host store)
-    int64_t const* staging_loc;    //!< [B, G, T] arena rows of verification staging, or null
+    int64_t const* staging_slots;  //!< [G] staging slot of each group member (read when T > 0)
+    int64_t const* staging_loc;    //!< [slots, staging slots, T] arena rows of verification staging, or null
     int64_t* locations;            //!< [G, B, N] out: arena row of each entry, -1 where unused
     int8_t* steps;                 //!< [G, B, N] out (null: not written): 0 unused, 1 direct, 2 hot, 3 host
     int64_t* fetch_src;            //!< [G, B, N] out: host row of each copy, each request's copies first, -1 after
@@ -113,7 +115,7 @@ struct StepResolveArgs
     int32_t* flags;                //!< [1] in/out: |= DHS_STEP_* bits (RowFlag, plus kStepBadArgument)
 };
 
-//! Flag of a (source, request) block whose source or slot is out of range (nothing resolved).
+//! Flag of a (source, request) block whose source, slot or staging slot is out of range (nothing resolved).
 constexpr int32_t kStepBadArgument = 16;
 
 //! Gather copy of rows from pinned host memory (a device-accessible address: UVA / mapped) into device rows.
@@ -249,7 +251,7 @@ inline LaunchPlan plan_step_resolver(StepResolveArgs const& a)
     LaunchPlan p{kPlanOk, 0, 1, kResolverThreads, 0, 0, 0, 0};
     if (a.batch < 0 || a.n < 0 || a.groups < 0 || a.hot_rows < 0 || a.hot_rows >= (int64_t{1} << 24)
         || a.page_rows <= 0 || a.num_pages < 0 || a.host_num_pages < 0 || a.num_sources < 0 || a.num_slots < 0
-        || a.staging_rows < 0 || a.n > INT32_MAX || a.batch * a.groups > INT32_MAX)
+        || a.staging_rows < 0 || a.staging_count < 0 || a.n > INT32_MAX || a.batch * a.groups > INT32_MAX)
     {
         p.status = kPlanBadSize;
         return p;
@@ -263,7 +265,7 @@ inline LaunchPlan plan_step_resolver(StepResolveArgs const& a)
     if (a.stamp == nullptr || a.positions == nullptr || a.sources == nullptr || a.slots == nullptr
         || (a.num_pages > 0 && a.page_table == nullptr) || a.hot_pos == nullptr || a.hot_stamp == nullptr
         || a.hot_loc == nullptr || a.locations == nullptr || a.fetch_src == nullptr || a.fetch_dst == nullptr
-        || a.counts == nullptr || a.flags == nullptr || (a.staging_rows > 0 && a.staging_loc == nullptr))
+        || a.counts == nullptr || a.flags == nullptr || (a.staging_rows > 0 && (a.staging_loc == nullptr || a.staging_slots == nullptr)))
     {
         p.status = kPlanBadPointer;
         return p;
@@ -391,7 +393,7 @@ inline LaunchPlan plan_of_kind(int32_t kind, void const* args)
 static_assert(sizeof(ResolverArgs) == 20 * 8, "ResolverArgs layout is part of the C ABI");
 static_assert(sizeof(RowCopyArgs) == 9 * 8, "RowCopyArgs layout is part of the C ABI");
 static_assert(sizeof(SparseMlaArgs) == 12 * 8, "SparseMlaArgs layout is part of the C ABI");
-static_assert(sizeof(StepResolveArgs) == 36 * 8, "StepResolveArgs layout is part of the C ABI");
+static_assert(sizeof(StepResolveArgs) == 38 * 8, "StepResolveArgs layout is part of the C ABI");
 static_assert(sizeof(LaunchPlan) == 5 * 8, "LaunchPlan layout is part of the C ABI");
 
 } // namespace dhisparse

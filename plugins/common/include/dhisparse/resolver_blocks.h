@@ -58,7 +58,9 @@ DHS_HD void step_resolver_block(Ex const& ex, StepResolveArgs const& a, int64_t 
     int64_t* const locations = a.locations + (g * a.batch + b) * n;
     int64_t* const fetch_src = a.fetch_src + (g * a.batch + b) * n;
     int64_t* const fetch_dst = a.fetch_dst + (g * a.batch + b) * n;
-    if (source < 0 || source >= a.num_sources || slot < 0 || slot >= a.num_slots)
+    int64_t const staging_slot = a.staging_rows > 0 ? a.staging_slots[g] : 0;
+    if (source < 0 || source >= a.num_sources || slot < 0 || slot >= a.num_slots
+        || (a.staging_rows > 0 && (staging_slot < 0 || staging_slot >= a.staging_count)))
     {
         for (int64_t i = ex.thread(); i < n; i += ex.threads())
         {
@@ -92,8 +94,9 @@ DHS_HD void step_resolver_block(Ex const& ex, StepResolveArgs const& a, int64_t 
     row.hot_loc = a.hot_loc + slot * a.hot_slot_stride + source * a.hot_source_stride;
     row.hot_pos_out = hot_pos;
     row.hot_stamp_out = hot_stamp;
-    row.staging_loc = a.staging_rows > 0 ? a.staging_loc + b * a.staging_row_stride + g * a.staging_group_stride
-                                         : nullptr;
+    row.staging_loc = a.staging_rows > 0
+        ? a.staging_loc + slot * a.staging_slot_stride + staging_slot * a.staging_group_stride
+        : nullptr;
     row.staging_rows = a.staging_rows;
     row.host_pages = a.host_pages != nullptr ? a.host_pages + slot * a.host_slot_stride + source * a.host_source_stride
                                              : nullptr;
