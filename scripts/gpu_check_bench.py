@@ -379,25 +379,34 @@ def sweep_configs(env: Env, report: dict[str, Any], rows: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ engine syncs
-def decode_syncs(env: Env) -> float | None:
+def decode_syncs(env: Env, details: dict[str, Any]) -> float | None:
     """Host synchronisations per decode step of the demo engine in bfloat16 with the CUDA kernels (adaptive, a pool
-    small enough that rows come from host), counted by torch's sync-debug mode over the steps after admission."""
-    if not env.cuda:
-        return None
+    small enough that rows come from host), counted by torch's sync-debug mode over the steps after admission; and
+    what in one such step would break a CUDA-graph capture (``step_graphs``' recorder: operators, host reads). On a
+    CPU (the dry run) the engine runs there, the recorder too, and no synchronisation is counted (None)."""
     from dhisparse import LLM, SamplingParams
+    from dhisparse.engine.step_graphs import DEVICE_TO_HOST, HOST_READS, _Recorder
     from dhisparse_builder import BuildOptions, build_engine
 
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = Path(tmp) / "demo"
         build_engine(BuildOptions(ROOT / "models" / "demo" / "target", engine_dir, {"dtype": "bfloat16"}),
                      progress=lambda d, t: None)
-        llm = LLM(engine_dir, device="cuda", kernels="cuda", kv_policy="adaptive", pool_bytes=2_000_000,
-                  dtype="bfloat16")
+        llm = LLM(engine_dir, device=env.device.type, kernels="cuda" if env.cuda else "auto", kv_policy="adaptive",
+                  pool_bytes=2_000_000, dtype="bfloat16")
         g = torch.Generator().manual_seed(5)
         for n in (300, 517, 1029, 64):
             llm.engine.add_request(torch.randint(0, 256, (n,), generator=g).tolist(),
                                    SamplingParams(max_tokens=12, ignore_eos=True))
         llm.engine.step()
+        recorder = _Recorder()
+        with recorder:
+            llm.engine.step()
+        details["decode_step_ops"] = len(recorder.ops)
+        details["decode_step_capture_breakers"] = sorted({name for name, _ in recorder.ops if name in HOST_READS
+                                                          or name.startswith(DEVICE_TO_HOST)})
+        if not env.cuda:
+            return None
         counts = []
         while llm.engine.has_unfinished():
             torch.cuda.synchronize()

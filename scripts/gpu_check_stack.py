@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         ("stack arena", lambda: parts.update(arena=StackArena(env, shape, *parts["1152"])), 20),
         ("glm5 stack", lambda: stack_runs(env, shape, parts["arena"], report), 30),
         ("graphs", lambda: graph_runs(env, shape, parts["arena"], report), 20),
-        ("decode host syncs", lambda: report.update(decode_host_syncs_bf16=bench.decode_syncs(env)), 25),
+        ("decode host syncs",
+         lambda: report.update(decode_host_syncs_bf16=bench.decode_syncs(env, report["details"])), 25),
     ]
     for part, fn, need in steps:
         bench.run_part(report, part, fn, env, need)

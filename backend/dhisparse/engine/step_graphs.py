@@ -29,6 +29,7 @@ Buffers = dict[str, torch.Tensor]
 Step = Callable[[Buffers], Mapping[str, torch.Tensor]]
 
 # Operators that read device memory on the host or size their output by the data: never inside a captured step.
+DEVICE_TO_HOST = "device-to-host copy"
 HOST_READS = frozenset({
     "aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.nonzero_static", "aten.masked_select",
     "aten.unique", "aten._unique", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim",
@@ -166,7 +167,8 @@ class _Recorder(TorchDispatchMode):
 def audit_step(step: Step, variants: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
     """What would break a CUDA-graph capture of ``step``, found by running it (any device) on each of ``variants``
     (buffer sets of one bucket with different values): operators that read device memory on the host or size their
-    output by the data (:data:`HOST_READS`), and any operator whose output shapes differ between the variants.
+    output by the data (:data:`HOST_READS`), copies from a device to the host (visible when the step runs on a GPU:
+    on a CPU every tensor is on the host), and any operator whose output shapes differ between the variants.
     Returns one line per problem (empty: capturable as far as these runs show)."""
     runs = []
     for buffers in variants:
@@ -175,7 +177,7 @@ def audit_step(step: Step, variants: Sequence[Mapping[str, torch.Tensor]]) -> li
             step(dict(buffers))
         runs.append(recorder.ops)
     problems = sorted({f"host read or data-dependent shape: {name}" for ops in runs for name, _ in ops
-                       if name in HOST_READS})
+                       if name in HOST_READS or name.startswith(DEVICE_TO_HOST)})
     first = runs[0]
     for other in runs[1:]:
         if [n for n, _ in other] != [n for n, _ in first]:
