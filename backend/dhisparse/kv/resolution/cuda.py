@@ -79,7 +79,6 @@ class CudaResolution:
         """One step-resolver launch for the sources ``todo`` and their fetches (see the module docstring)."""
         m, state = step.parts, step.parts.batch
         device = m.device
-        step.snapshot_hot()
         batch = len(step.requests)
         flat = positions.reshape(batch, -1).contiguous()
         values = step.memo("device_stamp_and_slots", lambda: to_device([step.stamp, *step.slots], torch.int64, device))
@@ -93,8 +92,7 @@ class CudaResolution:
         self.kernels.resolve_step(values[:1], flat, step.lengths, self._index(tuple(s for s, _ in todo), device),
                                   values[1:], step.page_table, state.hot_pos, state.hot_stamp, state.hot_loc,
                                   state.host_pages if m.uses_host else None, staging, m.page_rows, out)
-        step.resolver_calls += groups
-        step.hot_state_changed()
+        step.resolver_calls += groups  # (the step re-reads a gathered copy of the hot state after this)
         for bit, flag in _FLAGS:
             step.flag(flag, (out["flags"] & bit) != 0)
         for g, (source, slot) in enumerate(todo):
@@ -113,7 +111,7 @@ class CudaResolution:
         if not self.kernels.supports_attention(q_lat.dtype, arena.dtype):
             return None
         dtype = arena.dtype
-        out = self.kernels.sparse_mla(q_lat.to(dtype), q_pe.to(dtype), arena, locations, softmax_scale)
+        out: torch.Tensor = self.kernels.sparse_mla(q_lat.to(dtype), q_pe.to(dtype), arena, locations, softmax_scale)
         return out.to(q_lat.dtype)
 
 
