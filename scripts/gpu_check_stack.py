@@ -57,6 +57,11 @@ class StackArena:
             torch.cuda.synchronize()
         self.view = view
 
+    def stack(self, shape: LayerShape, case: StackCase, kernels: Any, device: torch.device) -> LayerStack:
+        """A layer stack over this arena and host store (its mapped span, rows translated when it has chunks)."""
+        rows = self.view.span_rows if self.view.allocated_rows > self.view.chunk_rows else None
+        return LayerStack(shape, case, kernels, self.arena, self.rows, self.view.span, device, rows)
+
 
 def stack_runs(env: bench.Env, shape: LayerShape, arena: StackArena, report: dict[str, Any]) -> None:
     """``glm5_stack``: every policy at every batch, history and drafter setting; per-layer step (median) and shares."""
@@ -80,7 +85,7 @@ def stack_runs(env: bench.Env, shape: LayerShape, arena: StackArena, report: dic
                     try:
                         case = StackCase(policy, batch=batch, history=history, queries=queries, sources=SOURCES,
                                          resident_share=share)
-                        stack = LayerStack(shape, case, env.kernels, arena.arena, arena.rows, arena.view, env.device)
+                        stack = arena.stack(shape, case, env.kernels, env.device)
                         for _ in range(2):
                             stack.step()
                         stack.counts.zero_()
@@ -116,8 +121,8 @@ def graph_runs(env: bench.Env, shape: LayerShape, arena: StackArena, report: dic
             share = resident_share(shape, batch, s.graph_history) if policy == "adaptive" else 1.0
             case = StackCase(policy, batch=batch, history=s.graph_history, sources=SOURCES, resident_share=share,
                              seed=11)
-            graphed = LayerStack(shape, case, env.kernels, arena.arena, arena.rows, arena.view, env.device)
-            eager = LayerStack(shape, case, env.kernels, arena.arena, arena.rows, arena.view, env.device)
+            graphed = arena.stack(shape, case, env.kernels, env.device)
+            eager = arena.stack(shape, case, env.kernels, env.device)
             for stack in (graphed, eager):
                 for _ in range(2):
                     stack.step()

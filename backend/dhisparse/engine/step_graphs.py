@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -108,7 +109,7 @@ class StepGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self._buffers: dict[int, StaticBuffers] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Mapping[str, torch.Tensor]]] = {}
-        self._pool: object | None = None
+        self._pool: Any = None  # torch.cuda.graph_pool_handle() of the first capture, shared by the others
         self.replays = 0
         self.eager_runs = 0
 
@@ -156,7 +157,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         flat = out if isinstance(out, (tuple, list)) else (out,)
         shapes = tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))

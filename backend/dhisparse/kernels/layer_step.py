@@ -26,13 +26,13 @@ CUDA graph (:mod:`dhisparse.engine.step_graphs`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dhisparse.kernels.reference import FP8_ROW_BYTES
-from dhisparse.kv.mapped_host import MappedRows
 
 POLICIES = ("resident", "hisparse", "adaptive")
 
@@ -122,7 +122,8 @@ class LayerStack:
     staging."""
 
     def __init__(self, shape: LayerShape, case: StackCase, kernels: Any, arena: torch.Tensor, history_rows: int,
-                 host: torch.Tensor | MappedRows, device: torch.device) -> None:
+                 host: torch.Tensor, device: torch.device,
+                 host_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         b, s, length, p = case.batch, case.sources, case.history, shape.page_rows
         if length % p or length < shape.topk:
             raise ValueError(f"history {length} must be a multiple of the page ({p}) and at least top-k")
@@ -130,10 +131,9 @@ class LayerStack:
                 arena.shape[0] - history_rows < scratch_rows_needed(shape, b, case.queries, s):
             raise ValueError("the shared arena is smaller than this case needs")
         self.shape, self.case, self.kernels, self.device = shape, case, kernels, device
-        self.arena = arena
-        # The host store: a tensor indexed by host row, or a chunked store's mapped view (rows translated to its span).
-        self.host = host.span if isinstance(host, MappedRows) else host
-        self.host_view = host if isinstance(host, MappedRows) and host.allocated_rows > host.chunk_rows else None
+        # The host store: a tensor indexed by host row (``host_rows`` None), or a chunked store's mapped span with
+        # ``host_rows`` translating global host rows to span rows (``MappedRows.span_rows``).
+        self.arena, self.host, self.host_rows = arena, host, host_rows
         g = torch.Generator(device=device).manual_seed(case.seed)  # the data: equal under every policy
         layout = torch.Generator(device=device).manual_seed(case.seed + 1)  # which pages the policy keeps mapped
         pages = length // p
@@ -206,8 +206,8 @@ class LayerStack:
                                   self.staging, self.shape.page_rows, out)
         for source in range(s):
             src = self.out["fetch_src"][source]
-            if self.host_view is not None:
-                src = torch.where(src >= 0, self.host_view.span_rows(src.clamp(min=0)), -1)
+            if self.host_rows is not None:
+                src = torch.where(src >= 0, self.host_rows(src.clamp(min=0)), -1)
             self.kernels.copy_rows(self.host, self.arena, src, self.out["fetch_dst"][source])
         return self.out["locations"]
 

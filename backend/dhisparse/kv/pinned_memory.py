@@ -22,6 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def default_workers() -> int:
     return max(1, min(32, cpus))
 
 
-def _check(call: str, result: object) -> None:
+def _check(call: str, result: Any) -> None:
     code = int(getattr(result, "value", result))  # torch's cudart returns an enum (or int on older builds)
     if code != 0:
         raise PinError(f"{call} failed with CUDA error {code}")
