@@ -28,7 +28,7 @@ import torch
 
 from dhisparse.host_values import to_device
 from dhisparse.kernels import native
-from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_NO_HOST_COPY, FLAG_OVERFLOW, Resolved
+from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_NO_HOST_COPY, FLAG_OVERFLOW, Resolved, StepSetup
 from dhisparse.kv.resolution.reference import TorchResolution
 
 if TYPE_CHECKING:
@@ -50,8 +50,8 @@ class CudaResolution:
         self.reference = TorchResolution()
         self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # groups' sources, slots
 
-    def setup(self, step: StepKV, starts: list[int], width: int) -> None:
-        self.reference.setup(step, starts, width)
+    def setup(self, step: StepKV, starts: list[int], width: int) -> StepSetup:
+        return self.reference.setup(step, starts, width)
 
     def settle(self, step: StepKV) -> None:
         self.reference.settle(step)
