@@ -21,15 +21,17 @@ if TYPE_CHECKING:
 
 # Error flags accumulated on the device during a step (read once, see ``StepKV.report``), with their messages and
 # the error each raises.
-FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
+FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, FLAG_NO_HOST_COPY = range(4)
 FLAG_MESSAGES = (
     "gather: a selected position is at or past the request's length",
     "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots "
     "plus verification staging rows; raise hot_rows (B) to at least the number of distinct rows one step can "
     "select",
     "tail page of a new row is not mapped (begin_step broke its contract)",
+    "a missed row has no host copy (its page was never backed up), or the step resolver was given a source, slot or "
+    "staging slot out of range: the KV hierarchy's residency invariant is broken",
 )
-FLAG_ERRORS: tuple[type[Exception], ...] = (ValueError, HotCacheOverflowError, RuntimeError)
+FLAG_ERRORS: tuple[type[Exception], ...] = (ValueError, HotCacheOverflowError, RuntimeError, RuntimeError)
 
 
 @dataclass(frozen=True)
