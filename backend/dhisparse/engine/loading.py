@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.executor import Model
 from dhisparse.errors import CheckpointError
@@ -25,11 +24,12 @@ def load_engine_parts(engine_dir: str | Path, max_slots: int | None = None, **ru
         raise CheckpointError(f"{engine_dir}: engine directory not found")
     config = EngineConfig.load(engine_dir / "runtime.json").with_overrides(**runtime_overrides)
     model_cfg = read_any_config(engine_dir)
-    device = torch.device(config.device)
+    device = resolve_device(config.device)
     model = build_model(model_cfg, load_any_state_dict(engine_dir, model_cfg, config.torch_dtype), config.torch_dtype,
                         device)
     speculator = None
     if config.speculative:
         speculator = Speculator(engine_dir / "drafters" / config.speculative, config.num_draft_tokens,
-                                max_slots or config.max_batch_size, model_cfg, device)
+                                max_slots or config.max_batch_size, model_cfg, device, target_model=model,
+                                max_context=config.max_model_len)
     return config, model, speculator

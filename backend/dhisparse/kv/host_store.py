@@ -9,6 +9,7 @@ import torch
 
 from dhisparse.kv.config import KVLayout
 from dhisparse.kv.mapped_host import MappedRows, map_chunks
+from dhisparse.kv.pinned_memory import Progress, touch_and_pin, unpin
 
 HOST_EMPTY = 0  # no copy of the page on host yet
 HOST_PENDING = 1  # a copy into the page is issued, not done
@@ -23,6 +24,17 @@ def default_host_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 16 << 30
+
+
+def _empty_host_cache() -> None:
+    """Return torch's cached pinned blocks to the system (the caching host allocator keeps freed ones); the call's
+    name differs across torch releases."""
+    accelerator = getattr(torch, "accelerator", None)
+    for fn in (getattr(accelerator, "empty_host_cache", None), getattr(torch._C, "_host_emptyCache", None),
+               getattr(torch._C, "_accelerator_emptyHostCache", None)):
+        if fn is not None:
+            fn()
+            return
 
 
 class ChunkedRows:
@@ -41,7 +53,9 @@ class ChunkedRows:
         self.device = torch.device("cpu")
         self.chunks: list[torch.Tensor] = []
         self._allocations: list[torch.Tensor] = []  # each chunk's memory, one spare row included
+        self._registered: list[torch.Tensor] = []  # allocations pinned by preallocate (cudaHostRegister)
         self._mapped: dict[torch.device, MappedRows | None] = {}
+        self.closed = False
 
     @property
     def allocated_rows(self) -> int:
@@ -55,14 +69,57 @@ class ChunkedRows:
         """Allocate chunks until global rows ``0 .. rows-1`` exist (never beyond the capacity). A new chunk starts
         at a multiple of the row size; views made by :meth:`mapped` before it are dropped (the next call includes
         it)."""
+        if self.closed:
+            raise RuntimeError("the host store was closed")
         while self.allocated_rows < min(rows, self.capacity_rows):
             n = min(self.chunk_rows, self.capacity_rows - self.allocated_rows)
-            memory = torch.zeros((n + 1) * self.row_dim, dtype=self.dtype, pin_memory=self.pinned)
-            row_bytes = self.row_dim * memory.element_size()
-            skip = (-memory.data_ptr()) % row_bytes // memory.element_size()
-            self._allocations.append(memory)
-            self.chunks.append(memory[skip:skip + n * self.row_dim].view(n, self.row_dim))
-            self._mapped.clear()
+            self._add_chunk(torch.zeros((n + 1) * self.row_dim, dtype=self.dtype, pin_memory=self.pinned), n)
+
+    def _add_chunk(self, memory: torch.Tensor, rows: int) -> None:
+        """Chunk of ``rows`` rows inside ``memory`` (``rows + 1`` rows long), starting at a multiple of the row size."""
+        row_bytes = self.row_dim * memory.element_size()
+        skip = (-memory.data_ptr()) % row_bytes // memory.element_size()
+        self._allocations.append(memory)
+        self.chunks.append(memory[skip:skip + rows * self.row_dim].view(rows, self.row_dim))
+        self._mapped.clear()
+
+    def preallocate(self, workers: int | None = None, progress: Progress | None = None) -> None:
+        """Allocate every chunk up to the capacity now (a server's start, not its first admissions): pageable memory
+        first-touched by ``workers`` threads and, on CUDA, page-locked chunk by chunk
+        (:func:`~dhisparse.kv.pinned_memory.touch_and_pin`); ``progress(bytes_done, bytes_total)`` after each chunk."""
+        if self.closed:
+            raise RuntimeError("the host store was closed")
+        sizes, rows = [], self.allocated_rows
+        while rows < self.capacity_rows:
+            sizes.append(min(self.chunk_rows, self.capacity_rows - rows))
+            rows += sizes[-1]
+        memories = [torch.empty((n + 1) * self.row_dim, dtype=self.dtype) for n in sizes]
+        pinned: list[torch.Tensor] = []
+        try:
+            touch_and_pin(memories, self.pinned, workers, progress, pinned)
+        except BaseException:
+            for memory in pinned:
+                unpin(memory)
+            raise
+        self._registered.extend(pinned)
+        for memory, n in zip(memories, sizes, strict=True):
+            self._add_chunk(memory, n)
+
+    def close(self) -> None:
+        """Release every chunk now (shutdown): chunks pinned by :meth:`preallocate` are unregistered before their
+        memory is freed, and torch's cache of pinned blocks (the lazily allocated chunks) is emptied. Views made by
+        :meth:`mapped` must not be used afterwards; the store refuses further growth."""
+        self.closed = True
+        self._mapped.clear()
+        self.chunks.clear()
+        registered, self._registered = self._registered, []
+        for memory in registered:
+            unpin(memory)
+        lazily_pinned = self.pinned and len(self._allocations) > len(registered)
+        self._allocations.clear()
+        if lazily_pinned and torch.cuda.is_initialized():
+            _empty_host_cache()
+
 
     def mapped(self, device: torch.device) -> MappedRows | None:
         """Every allocated chunk as one view on ``device`` (``None`` where it cannot be made: see
@@ -161,6 +218,14 @@ class HostStore:
         # so a large store costs nothing until it is used.
         self._freed: list[int] = []
         self._frontier = 0
+
+    def preallocate(self, workers: int | None = None, progress: Progress | None = None) -> None:
+        """Allocate (and on CUDA pin) the whole capacity now, in parallel: :meth:`ChunkedRows.preallocate`."""
+        self.rows.preallocate(workers, progress)
+
+    def close(self) -> None:
+        """Release the host memory (:meth:`ChunkedRows.close`); the store cannot be used afterwards."""
+        self.rows.close()
 
     @property
     def used_pages(self) -> int:

@@ -17,7 +17,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 import dhisparse
+from dhisparse.device import resolve_device, triton_instance_group
+from dhisparse.engine.config import EngineConfig
 from dhisparse.serving.tokenization import TOKENIZER_FILE
 
 LLM_MODEL = "dhisparse"
@@ -91,6 +95,15 @@ class RepositorySpec:
         """True when the engine ships `tokenizer.json`, so the text models can be served."""
         return (self.engine_dir / TOKENIZER_FILE).is_file()
 
+    @property
+    def engine_device(self) -> torch.device:
+        """The device the engine will run on: the ``device`` override, else ``runtime.json``'s (default ``auto``:
+        the GPU when this machine has one), resolved here the way ``LLM`` resolves it."""
+        device = self.engine_overrides.get("device")
+        if device is None:
+            device = EngineConfig.load(self.engine_dir / "runtime.json").device
+        return resolve_device(str(device))
+
     def values(self) -> dict[str, str]:
         """Placeholder name -> text for every template placeholder."""
         engine_parameters = "\n".join(
@@ -111,6 +124,7 @@ class RepositorySpec:
             "postprocessing_instance_count": str(self.text_instance_count),
             "bls_instance_count": str(self.text_instance_count),
             "exclude_input_in_output": str(self.exclude_input_in_output).lower(),
+            "engine_instance_group": triton_instance_group(self.engine_device),
         }
 
 
