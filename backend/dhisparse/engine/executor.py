@@ -112,7 +112,7 @@ class Executor:
             req.context_logits = out.all_logits
         self.kv.import_prompt(req.request_id, out.rows, out.index_keys)  # keys written in place: the store knows
         if self.spec is not None:
-            req.spec_state = self.spec.start(self.spec.features(out.hidden))
+            req.spec_state = self.spec.start(self.spec.features(out.hidden), req.prompt_len)  # the computed positions
         req.num_computed = req.prompt_len
         self.counters["prefill_tokens"] += req.prompt_len - cached  # computed
         self.counters["prefill_tokens_reused"] += cached

@@ -176,7 +176,7 @@ class LLMEngine:
         else:
             if self.spec is not None:
                 assert arrival.features is not None
-                req.spec_state = self.spec.start(arrival.features.to(self.model.device))
+                req.spec_state = self.spec.start(arrival.features.to(self.model.device), req.prompt_len)
             req.num_computed = req.prompt_len
             self.scheduler.start_running(req)
             self._append(req, arrival.first, updates)
