@@ -50,14 +50,14 @@ def check_manager_invariants(m: KVManager) -> None:
     if required != pool.required_bytes:
         _fail("required accounting", f"pool says {pool.required_bytes}, requests hold {required}")
     prefix = m.prefix
-    cached_device = prefix.device.resident_pages(prefix.cache) + prefix.device.retiring_pages
+    cached_device = prefix.device.resident_pages() + prefix.device.retiring_pages
     optional = (sum(r.optional_pages_on_device() for r in alive) + cached_device) * pool.page_bytes
     if optional != pool.optional_bytes:
         _fail("optional accounting", f"pool says {pool.optional_bytes}, requests and the prefix cache hold {optional}")
     owned = [torch.cat([r.tail_ring.reshape(-1), r.hot_pages.reshape(-1), r.staging_pages, r.key_page_ids,
                         r.opt_page[r.opt_page >= 0]])
              for r in alive]
-    owned += list(prefix.device.owned_pages(prefix.cache))
+    owned += list(prefix.device.owned_pages())
     owned_pages = torch.cat(owned) if owned else torch.zeros(0, dtype=torch.int64)
     if owned_pages.unique().numel() != owned_pages.numel():
         _fail("page ownership", "an arena page is owned twice")
@@ -76,7 +76,7 @@ def check_manager_invariants(m: KVManager) -> None:
     for req in m.requests.values():
         _check_request(m, req)
     if not alive and not m.waiting:
-        cached = torch.cat(list(prefix.device.owned_pages(prefix.cache)) or [torch.zeros(0, dtype=torch.int64)])
+        cached = torch.cat(list(prefix.device.owned_pages()) or [torch.zeros(0, dtype=torch.int64)])
         if pool.required_bytes or pool.optional_bytes != cached.numel() * pool.page_bytes or \
                 pool.free_pages != pool.num_pages - cached.numel():
             _fail("empty pool", "no request is alive but the pool holds more than the prefix cache's pages")
@@ -117,6 +117,9 @@ def _check_prefix_cache(m: KVManager, alive: list[RequestKV]) -> None:
             if not torch.equal(table[cols, i], entry.device_pages[cols]):
                 _fail("prefix cache", f"{req.request_id}: page {i} maps another page than its entry's copy")
             mappers[id(entry)] = mappers.get(id(entry), 0) + 1
+    holders = {id(e) for e in prefix.cache.entries.values() if e.device_pages is not None}
+    if holders != set(prefix.device.holders):
+        _fail("prefix cache", "the device copies the cache tracks are not the entries holding one")
     for e in prefix.cache.entries.values():
         if e.mappers != mappers.get(id(e), 0):
             _fail("prefix cache", f"page {e.depth}'s copy counts {e.mappers} mappers, {mappers.get(id(e), 0)} map it")

@@ -221,7 +221,7 @@ class KVManager:
             key=lambda r: (r.prompt_len + r.max_new_tokens - r.length, -r.admit_order),
         )
         reclaimable = sum(residency.reclaimable_pages(r) for r in order)
-        reclaimable += self.prefix.device.resident_pages(self.prefix.cache)  # shared copies, mapped or not
+        reclaimable += self.prefix.device.resident_pages()  # shared copies, mapped or not
         if coming + page_bytes * reclaimable < deficit:
             return False  # optional pages cannot cover it: the admission waits, nothing is reclaimed
         # Cached device copies nobody maps go first (least recently used first), then whole requests' pages.

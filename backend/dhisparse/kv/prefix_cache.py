@@ -85,6 +85,7 @@ class PrefixCache:
 
     def __init__(self) -> None:
         self.entries: dict[bytes, CachedPage] = {}
+        self.unreferenced = 0  # entries no request holds (kept as entries change)
         self._tick = 0
         self._seq = 0
         self._evictable: list[tuple[int, int, int, CachedPage]] = []  # (last_use, -depth, seq, entry), lazy
@@ -110,9 +111,14 @@ class PrefixCache:
 
     def hold(self, entries: Sequence[CachedPage]) -> None:
         """A request takes a reference on each of ``entries``."""
-        for e in entries:
-            e.refs += 1
+        self.pin(entries)
         self.touch(entries)
+
+    def pin(self, entries: Iterable[CachedPage]) -> None:
+        """A reference on each of ``entries`` without marking them used (give it back with :meth:`drop`)."""
+        for e in entries:
+            self.unreferenced -= e.refs == 0
+            e.refs += 1
 
     def drop(self, entries: Iterable[CachedPage]) -> None:
         """A request gives its references back (its memory is freed); leaves nobody holds become evictable."""
@@ -120,6 +126,7 @@ class PrefixCache:
             if e.refs <= 0:
                 raise RuntimeError(f"prefix cache: reference count of page {e.depth} would go negative")
             e.refs -= 1
+            self.unreferenced += e.refs == 0
             self._offer(e)
 
     def insert(self, key: bytes, parent: CachedPage | None, host_pages: torch.Tensor,
@@ -150,15 +157,13 @@ class PrefixCache:
             last_use, _, _, e = heapq.heappop(self._evictable)
             if e.evictable and self.entries.get(e.key) is e and e.last_use == last_use:
                 del self.entries[e.key]
+                self.unreferenced -= 1
                 if e.parent is not None:
                     e.parent.children -= 1
                     self._offer(e.parent)
                 return e
         return None
 
-    def evictable_count(self) -> int:
-        """Entries that eviction could remove now or after their children (nobody holds them)."""
-        return sum(1 for e in self.entries.values() if e.refs == 0)
 
 
 def check_cache(cache: PrefixCache, holders: Iterable[Sequence[CachedPage]]) -> str | None:
@@ -170,6 +175,8 @@ def check_cache(cache: PrefixCache, holders: Iterable[Sequence[CachedPage]]) -> 
             if e.depth != depth or (depth and e.parent is not held[depth - 1]):
                 return f"a request holds page {e.depth} at index {depth} (holds must be prefixes of one chain)"
             refs[id(e)] = refs.get(id(e), 0) + 1
+    if cache.unreferenced != sum(1 for e in cache.entries.values() if e.refs == 0):
+        return f"the cache counts {cache.unreferenced} unreferenced entries"
     children: dict[int, int] = {}
     for key, e in cache.entries.items():
         if e.key != key:

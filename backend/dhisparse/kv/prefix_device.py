@@ -28,7 +28,7 @@ import torch
 from dhisparse.host_values import to_device
 from dhisparse.kv.copies import ReaderFence
 from dhisparse.kv.device_pool import DevicePool
-from dhisparse.kv.prefix_cache import CachedPage, PrefixCache
+from dhisparse.kv.prefix_cache import CachedPage
 from dhisparse.kv.request_state import OPT_ABSENT, OPT_READY, OPT_SHARED, RequestKV
 
 
@@ -64,15 +64,16 @@ def map_on_refill(req: RequestKV, source: int, page: int, device: torch.device) 
     return True
 
 
-def publish_copies(req: RequestKV) -> int:
+def publish_copies(req: RequestKV, copies: DeviceCopies) -> int:
     """Held pages kept as private ready optional pages of every source become their entries' device copies
-    (which had none); returns pages published."""
+    (which had none; ``copies`` keeps them); returns pages published."""
     published = 0
     for entry in req.prefix_held[: req.prompt_pages]:
         i = entry.depth
         if entry.device_pages is not None or not bool((req.opt_state[:, i] == OPT_READY).all()):
             continue
         entry.device_pages = req.opt_page[:, i].clone()
+        copies.holders[id(entry)] = entry
         req.opt_page[:, i] = -1
         req.opt_state[:, i] = OPT_SHARED
         entry.mappers += 1
@@ -102,22 +103,20 @@ class DeviceCopies:
     def __init__(self, num_sources: int) -> None:
         self.num_sources = num_sources
         self.retiring: list[tuple[torch.Tensor, int]] = []  # (arena pages, epoch) freed once readers finished
+        self.holders: dict[int, CachedPage] = {}  # entries with a device copy, by identity
         self.evicted = 0  # copies evicted (each num_sources pages)
 
     @property
     def retiring_pages(self) -> int:
         return sum(int(p.numel()) for p, _ in self.retiring)
 
-    @staticmethod
-    def copies(cache: PrefixCache) -> list[CachedPage]:
-        return [e for e in cache.entries.values() if e.device_pages is not None]
+    def copies(self) -> list[CachedPage]:
+        """The entries that hold a device copy."""
+        return list(self.holders.values())
 
-    def resident_pages(self, cache: PrefixCache) -> int:
+    def resident_pages(self) -> int:
         """Arena pages of every cached device copy (mapped or not)."""
-        return self.num_sources * len(self.copies(cache))
-
-    def unmapped_pages(self, cache: PrefixCache) -> int:
-        return self.num_sources * sum(1 for e in self.copies(cache) if e.mappers == 0)
+        return self.num_sources * len(self.holders)
 
     def retire(self, entry: CachedPage) -> None:
         """``entry``'s copy (nobody maps it) leaves: freed once the readers issued before its last unmapping
@@ -125,12 +124,15 @@ class DeviceCopies:
         assert entry.device_pages is not None and entry.mappers == 0
         self.retiring.append((entry.device_pages, entry.unmapped_epoch))
         entry.device_pages = None
+        del self.holders[id(entry)]
         self.evicted += 1
 
-    def evict_unmapped(self, cache: PrefixCache, pages: int) -> int:
+    def evict_unmapped(self, pages: int) -> int:
         """Retire copies nobody maps, least recently used first (ties: deepest first), until ``pages`` arena
         pages are leaving; returns the pages retired."""
-        idle = sorted((e for e in self.copies(cache) if e.mappers == 0), key=lambda e: (e.last_use, -e.depth))
+        if pages <= 0:
+            return 0
+        idle = sorted((e for e in self.holders.values() if e.mappers == 0), key=lambda e: (e.last_use, -e.depth))
         taken = 0
         for entry in idle:
             if taken >= pages:
@@ -154,7 +156,7 @@ class DeviceCopies:
         self.retiring = keep
         return freed
 
-    def owned_pages(self, cache: PrefixCache) -> Iterable[torch.Tensor]:
+    def owned_pages(self) -> Iterable[torch.Tensor]:
         """Every arena page the cache owns (device copies and retiring ones), for the ownership invariant."""
-        yield from (e.device_pages for e in self.copies(cache) if e.device_pages is not None)
+        yield from (e.device_pages for e in self.holders.values() if e.device_pages is not None)
         yield from (p for p, _ in self.retiring)

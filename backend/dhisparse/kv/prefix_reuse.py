@@ -104,8 +104,7 @@ class PrefixReuse:
     def pinned(self, entries: Sequence[CachedPage]) -> Iterator[None]:
         """Keep ``entries`` from eviction for the duration (a reference, without touching their LRU time: a refused
         admission leaves the order alone)."""
-        for e in entries:
-            e.refs += 1
+        self.cache.pin(entries)
         try:
             yield
         finally:
@@ -152,7 +151,7 @@ class PrefixReuse:
             return
         self.register(req, req.prompt_len // self.page_rows)
         if req.prompt_pages:
-            publish_copies(req)
+            publish_copies(req, self.device)
 
     def register(self, req: RequestKV, pages: int) -> int:
         """Make ``req``'s pages ``len(prefix_held) .. pages-1`` cache entries while each is host-valid and not
@@ -215,7 +214,7 @@ class PrefixReuse:
 
     def evict_device(self, pages: int) -> int:
         """Retire device copies nobody maps (LRU) until ``pages`` arena pages leave; returns pages retired."""
-        taken = self.device.evict_unmapped(self.cache, pages)
+        taken = self.device.evict_unmapped(pages)
         self.counters["prefix_evicted_device_pages"] += taken
         return taken
 
@@ -232,13 +231,12 @@ class PrefixReuse:
         request), ``prefix_host_pages`` (host pages the cache owns: rows and packed keys), ``prefix_device_pages``
         (arena pages of shared device copies, retiring ones included; ``prefix_device_bytes`` the same in bytes, part
         of ``optional_bytes``), ``prefix_reuse_enabled`` (0/1)."""
-        entries = self.cache.entries.values()
         per_entry = self.layout.num_sources + self.key_pages_per_entry
-        device_pages = self.device.resident_pages(self.cache) + self.device.retiring_pages
+        device_pages = self.device.resident_pages() + self.device.retiring_pages
         return {
             "prefix_reuse_enabled": float(self.enabled),
             "prefix_cached_pages": float(len(self.cache)),
-            "prefix_unreferenced_pages": float(sum(1 for e in entries if e.refs == 0)),
+            "prefix_unreferenced_pages": float(self.cache.unreferenced),
             "prefix_host_pages": float(per_entry * len(self.cache)),
             "prefix_device_pages": float(device_pages),
             "prefix_device_bytes": float(device_pages * self.pool.page_bytes),

@@ -187,7 +187,7 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
                     fence: ReaderFence) -> bool:
     """Refill the first missing optional page of ``req`` (page-major order) from host, if the budget
     allows (``refill``: host→device). The page is mapped only when the copy is done."""
-    if pool.spare_bytes < pool.page_bytes or not req.may_refill:
+    if not req.may_refill:
         return False
     hv = req.host_state[:, : req.prompt_pages] == HOST_VALID
     candidates = torch.nonzero(((req.opt_state == OPT_ABSENT) & hv).T)
@@ -195,8 +195,10 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
         req.may_refill = False  # until a page becomes absent with a valid host copy again
         return False
     i, s = int(candidates[0, 0]), int(candidates[0, 1])
-    if map_on_refill(req, s, i, pool.arena.device):  # a held prefix page with a shared device copy: map it
+    if map_on_refill(req, s, i, pool.arena.device):  # a held prefix page with a shared device copy: map it (free)
         return True
+    if pool.spare_bytes < pool.page_bytes:
+        return False
     assert req.host_pages is not None
     page = pool.allocate(1, optional=True)
     req.opt_page[s, i] = int(page[0])
