@@ -37,7 +37,23 @@ BLOCKERS = 4  # context requests queued in front of the one that is cancelled du
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_engine, tmp_path_factory):
+def key_file(tmp_path_factory):
+    """The deployment's internal key, shared by the two servers (and by the tests that act as its orchestrator)."""
+    from dhisparse.serving.internal_auth import write_key_file
+
+    return write_key_file(tmp_path_factory.mktemp("keys") / "internal.key")
+
+
+def orchestrator_call(context, key_file, arrays: dict, request_id: str):
+    """``context.call`` as the orchestrator sends it: signed with the deployment's key (``internal_auth``)."""
+    from dhisparse.serving.internal_auth import AUTH_INPUT, CONTEXT, InternalAuth, request_subject
+
+    token = InternalAuth.from_key_file(key_file).token(CONTEXT, request_subject(request_id, arrays))
+    return context.call({**arrays, AUTH_INPUT: token}, request_id)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_engine, tmp_path_factory, key_file):
     """``(generation server, context server)``: two servers, or the same one twice (``TOPOLOGY = one``)."""
     from conftest import POOL_BYTES, ServedEngine, start_triton
 
@@ -45,7 +61,7 @@ def deployment(tiny_engine, tmp_path_factory):
     from dhisparse.serving.repository import RepositorySpec
 
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES}
-    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100)
+    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100, auth_key_file=key_file)
     servers = []
 
     def serve(name: str, options: DisaggregatedOptions) -> ServedEngine:
@@ -173,7 +189,7 @@ def _wait_regions(context_server, done, timeout_s: float = 60.0) -> dict[str, fl
     return regions
 
 
-def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
+def test_context_cancel_request_frees_the_region_at_once(deployment, expected, key_file):
     """The control request the orchestrator sends on a cancellation: `cancel_request_id` frees that region now."""
     import numpy as np
 
@@ -183,15 +199,17 @@ def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
     _, context_server = deployment
     ids, tokens, _ = expected
     _wait_regions(context_server, lambda r: r["regions_held"] == 0)
-    context = RemoteContext(context_server.grpc_url)
+    from dhisparse.serving.internal_auth import InternalAuth, read_key_file
+
+    context = RemoteContext(context_server.grpc_url, auth=InternalAuth.from_key_file(key_file))
     try:
         arrays = {"input_ids": np.array([ids[0]], dtype=np.int32),
                   "input_lengths": np.array([[len(ids[0])]], dtype=np.int32),
                   "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
                   "request_type": np.array([[b"context_only"]], dtype=object)}
-        first, params = context.call(arrays, "probe-cancel")
+        first, params = orchestrator_call(context, key_file, arrays, "probe-cancel")
         assert first == tokens[0][0]
-        assert ContextPhaseParams.from_bytes(params).request_key.endswith("/probe-cancel")
+        assert ContextPhaseParams.from_bytes(params, read_key_file(key_file)).request_key.endswith("/probe-cancel")
         held = _wait_regions(context_server, lambda r: r["regions_held"] == 1)  # nobody reads it: it stays held
         freed = context.cancel("probe-cancel")  # freed by the control request, synchronously
         assert freed == 1, f"cancel freed {freed} regions; before it: {held}"
@@ -203,7 +221,7 @@ def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
     assert after["regions_expired"] == held["regions_expired"], (held, after)
 
 
-def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer):
+def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer, key_file):
     """A client cancels while its context phase runs (queued behind long prefills sent straight to `context`): the
     orchestrator frees its region at once with a `cancel_request_id` control request (not at the 600 s hold
     deadline), nothing expires, the generation side never took the request and returns to idle."""
@@ -220,10 +238,12 @@ def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer)
     arrays = {"input_ids": np.array([long_prompt], dtype=np.int32),
               "input_lengths": np.array([[len(long_prompt)]], dtype=np.int32),
               "request_output_len": np.array([[8]], dtype=np.int32)}
-    context = RemoteContext(context_server.grpc_url)
-    blockers = [threading.Thread(target=context.call, args=({**arrays, "request_type": np.array([[b"context_only"]],
-                                                                                                 dtype=object)},
-                                                            f"blocker-{i}")) for i in range(BLOCKERS)]
+    from dhisparse.serving.internal_auth import InternalAuth
+
+    context = RemoteContext(context_server.grpc_url, auth=InternalAuth.from_key_file(key_file))
+    blocker = {**arrays, "request_type": np.array([[b"context_only"]], dtype=object)}
+    blockers = [threading.Thread(target=orchestrator_call, args=(context, key_file, blocker, f"blocker-{i}"))
+                for i in range(BLOCKERS)]
     for thread in blockers:  # long prefills in front of the cancelled request's context phase
         thread.start()
     stats = grpcclient.InferenceServerClient(generation_server.grpc_url)

@@ -113,7 +113,12 @@ class DecodeEngine(LLMEngine):
         completed = self._poll_transfers(updates)
         while self.waiting and len(self.running) + len(self.transferring) < self.cfg.max_batch_size:
             req = self.waiting[0]
-            if not self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens):
+            try:  # [#29] an admission that raises (host memory short, never admissible) fails this request only
+                admitted = self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens)
+            except Exception as error:  # [#29] (_finish takes it out of the queue)
+                self._fail_import(req, f"admission failed: {error}", updates, self.imports.pop(req.request_id, None))
+                continue  # [#29]
+            if not admitted:
                 if not req.counters.get("waited"):
                     req.counters["waited"] = 1.0
                     self.counters["admissions_waited"] += 1
@@ -124,7 +129,7 @@ class DecodeEngine(LLMEngine):
             context = self.imports.pop(req.request_id)
             try:
                 self._post(req, context)
-            except (TransferError, ValueError) as error:  # ValueError: params that do not fit this engine's layout
+            except Exception as error:  # [#29] any failure to start the import fails this request, never the engine
                 self._fail_import(req, str(error), updates, context)
         completed += self._poll_transfers(updates)
         if not completed and not self.running and self.transferring:
@@ -157,7 +162,7 @@ class DecodeEngine(LLMEngine):
                 continue
             try:
                 features = self._complete(req, pending, meta_start, rows_at)
-            except (TransferError, ValueError) as failure:
+            except Exception as failure:  # [#29] any failure to import fails this request, never the engine
                 self._fail_import(req, str(failure), updates)  # the READ completed: NIXL notified the context
                 continue
             context = pending.context
