@@ -118,9 +118,13 @@ def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected)
     assert metrics["context_prefill_seconds"] > 0 and metrics["transfer_seconds"] > 0  # the TTFT split
 
 
-def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expected):
+def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expected, key_file):
+    """A client cannot reach `generation` (no orchestrator token); a signed request (as the orchestrator would send)
+    with malformed params gets an error naming them."""
     import numpy as np
     import tritonclient.grpc as grpcclient
+
+    from dhisparse.serving.internal_auth import AUTH_INPUT, GENERATION, InternalAuth, request_subject
 
     ids, _, _ = expected
     arrays = {"input_ids": np.array([ids[0]], dtype=np.int32), "input_lengths": np.array([[len(ids[0])]], np.int32),
@@ -129,13 +133,22 @@ def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expect
               "context_phase_params": np.array([[1, 2, 3]], dtype=np.uint8)}
     datatypes = {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL", np.dtype(object): "BYTES",
                  np.dtype(np.uint8): "UINT8"}
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatypes[array.dtype])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+
+    def inputs(values: dict) -> list:
+        out = []
+        for name, array in values.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), datatypes[array.dtype])
+            tensor.set_data_from_numpy(array)
+            out.append(tensor)
+        return out
+
+    client = disaggregated.client()
+    with pytest.raises(GenerationError, match="only its orchestrator"):
+        list(client.stream_results("generation", inputs(arrays), ["output_ids"], request_id="client-1"))
+    token = InternalAuth.from_key_file(key_file).token(GENERATION, request_subject("signed-1", arrays))
     with pytest.raises(GenerationError, match="context_phase_params"):
-        list(disaggregated.client().stream_inputs("generation", inputs, "output_ids"))
+        list(client.stream_results("generation", inputs({**arrays, AUTH_INPUT: token}), ["output_ids"],
+                                   request_id="signed-1"))
 
 
 def test_multi_token_stop_sequence_ends_the_generation_phase(disaggregated, expected):
