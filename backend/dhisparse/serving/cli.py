@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         # disaggregated deployment (`context` answers each prefill on its own and does not).
         watched = next((m for m in (LLM_MODEL, "generation") if m in models), None)
         while not stop.wait(0.5):
+            server.secure_shared_memory()
             if server.poll() is not None:  # died on its own
                 code = server.stop()
                 print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)

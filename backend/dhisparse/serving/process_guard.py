@@ -1,14 +1,15 @@
 """Keeping one tritonserver child tied to its launcher: parent-death signal, private files, ports, shared memory.
 
-* ``child_setup(parent_pid)`` runs in the forked child before ``exec``: ``umask 077`` (the Python backend's
-  shared-memory regions, created by tritonserver and its stubs, are then readable by their owner only), and
-  ``prctl(PR_SET_PDEATHSIG, SIGTERM)``: when the launcher dies (even by SIGKILL), the kernel sends tritonserver
+* ``child_setup(parent_pid)`` runs in the forked child before ``exec``: ``umask 077`` (files it creates are private)
+  and ``prctl(PR_SET_PDEATHSIG, SIGTERM)``: when the launcher dies (even by SIGKILL), the kernel sends tritonserver
   SIGTERM, which stops its stubs and frees its regions. The stubs watch tritonserver themselves and exit with it.
 * ``ports_in_use`` finds the ports another process already listens on, so a start that cannot bind says so
   instead of probing someone else's server; ``listens`` tells whether a given process owns the listening socket
   of a port (Linux ``/proc``), so readiness is only believed from our own child.
 * ``shm_regions`` / ``remove_shm_regions`` list and free the regions of one prefix (``/dev/shm``), and
   ``sweep_stale_regions`` frees those whose launcher is gone (a tritonserver that was SIGKILLed cannot).
+  ``restrict_shm_regions`` makes them owner-only: the Python backend creates them with an explicit mode 0644
+  (Boost.Interprocess sets it after creation, whatever the umask), so the launcher narrows them once they exist.
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def remove_shm_regions(prefix: str) -> list[Path]:
         except FileNotFoundError:
             pass
     return removed
+
+
+def restrict_shm_regions(prefix: str) -> list[Path]:
+    """chmod 0600 every region of ``prefix`` that is readable by group or others; returns what it changed."""
+    changed = []
+    for path in shm_regions(prefix):
+        try:
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+                changed.append(path)
+        except (FileNotFoundError, PermissionError):
+            pass
+    return changed
 
 
 def _alive(pid: int) -> bool:

@@ -218,6 +218,12 @@ class TritonServer:
                 raise ServerStartError(f"tritonserver not ready after {timeout_s:.0f} s\n{self.log_tail()}")
             time.sleep(0.1)
         self.version = self._server_version()
+        self.secure_shared_memory()
+
+    def secure_shared_memory(self) -> None:
+        """Make this server's shared-memory regions owner-only (the Python backend creates them world-readable;
+        `dhisparse-serve` calls this again while it runs, for regions made later)."""
+        process_guard.restrict_shm_regions(self.shm_prefix)
 
     def _ready_from_child(self) -> bool:
         """Ready, and the answer came from our child (it owns the listening socket): never another server's."""
