@@ -89,7 +89,7 @@ def test_model_control_over_grpc_is_refused(served, tmp_path):
         "log": lambda h: client.update_log_settings({"log_file": str(tmp_path / "l")}, headers=h),
     }
     try:
-        for name, attack in attacks.items():
+        for attack in attacks.values():
             for headers in (None, {"triton-grpc-protocol-dhisparse-admin-key": "guessed-key-0123456789"}):
                 with pytest.raises(InferenceServerException, match="restricted"):
                     attack(headers)
