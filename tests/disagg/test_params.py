@@ -87,7 +87,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70
                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
                                                                                    max_size=4), max_leaves=12)
 _FIELDS = ["request_key", "agent_name", "region_addr", "layout", "first_token", "seed", "queue_s", "prefill_s",
-           "hold_deadline_s"]
+           "hold_deadline_s", "prompt_sha256"]
 _LAYOUT = ["num_sources", "prompt_len", "row_dim", "rows_dtype", "key_layers", "index_key_dim", "feature_rows",
            "feature_dim"]
 

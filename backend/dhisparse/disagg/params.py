@@ -170,10 +170,13 @@ class ContextPhaseParams:
     queue_s: float = 0.0  # prefill side: arrival → prefill start
     prefill_s: float = 0.0
     hold_deadline_s: float = 0.0  # the prefill side frees the region this long after publishing
+    prompt_sha256: str = ""  # prompt_digest(prompt): the generation side imports it only for this prompt
     agent_metadata: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         owner = "context_phase_params"
+        if not isinstance(self.prompt_sha256, str) or len(self.prompt_sha256) not in (0, 64):
+            raise ValueError(f"{owner}: prompt_sha256 must be a SHA-256 hex digest")
         for name in ("request_key", "agent_name"):
             value = getattr(self, name)
             if not isinstance(value, str) or not 0 < len(value) <= 1024:
@@ -227,6 +230,11 @@ class ContextPhaseParams:
             return cls(layout=RegionLayout(**layout), agent_metadata=body[8 + size :], **header)
         except (KeyError, TypeError, ValueError, RecursionError) as error:
             raise ValueError(f"context_phase_params: malformed header ({error})") from error
+
+
+def prompt_digest(prompt: list[int]) -> str:
+    """SHA-256 of a prompt's token ids (int64 little endian): what binds a context phase to its prompt."""
+    return hashlib.sha256(np.asarray(prompt, dtype="<i8").tobytes()).hexdigest()
 
 
 def _known(values: dict, kind: type) -> None:

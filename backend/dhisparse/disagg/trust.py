@@ -8,7 +8,8 @@ is reserved or any byte is read:
 - the layout is exactly what this engine's own prefill would publish for a prompt of this length (sources, row
   width and dtype, indexer layers and key width, drafter features), so a READ can only land where the admission
   put the request's pages, and every unpack has the shape the engine expects;
-- the prompt length matches the request, the first token is in the vocabulary;
+- they were made for this prompt (their ``prompt_sha256``): another request's context phase, even a genuine one, is
+  refused, so no request can import another's history; the first token is in the vocabulary;
 - a context phase is imported at most once (``ImportLedger``): a replayed params blob is refused.
 
 Everything raises :class:`InvalidRequestError` naming the field, so the request ends with that error and nothing
@@ -21,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name
+from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name, prompt_digest
 from dhisparse.errors import InvalidRequestError
 
 
@@ -43,6 +44,9 @@ def check_context(context: ContextPhaseParams, engine: Any, prompt: list[int]) -
     if context.layout.prompt_len != len(prompt):
         raise InvalidRequestError(f"context_phase_params describe a {context.layout.prompt_len}-token prompt, the "
                                   f"request has {len(prompt)} tokens")
+    if context.prompt_sha256 != prompt_digest(prompt):
+        raise InvalidRequestError("context_phase_params were made for another prompt (prompt_sha256 differs): a "
+                                  "context phase serves only the request it was computed for")
     want = expected_layout(engine, len(prompt))
     for name in ("num_sources", "row_dim", "rows_dtype", "key_layers", "index_key_dim", "feature_rows",
                  "feature_dim"):
