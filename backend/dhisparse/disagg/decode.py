@@ -40,6 +40,7 @@ import torch
 from dhisparse.disagg.loading import load_engine_parts
 from dhisparse.disagg.nixl_transfer import NixlImporter, PendingRead, TransferError
 from dhisparse.disagg.params import ContextPhaseParams
+from dhisparse.disagg.trust import check_context  # [#29]
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.request import Request, RequestUpdate, Status
@@ -73,6 +74,7 @@ class DecodeEngine(LLMEngine):
         """Queue a request whose context phase ran elsewhere; returns its id."""
         prompt = [int(t) for t in prompt_token_ids]
         self.validate(prompt, params)
+        check_context(context, self, prompt)  # [#29] the params fit this engine's layout and were made for this prompt
         if len(prompt) != context.layout.prompt_len:
             raise InvalidRequestError(f"context_phase_params describe a {context.layout.prompt_len}-token prompt, "
                                       f"the request has {len(prompt)} tokens")

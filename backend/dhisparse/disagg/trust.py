@@ -24,11 +24,14 @@ from typing import Any
 
 from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name, prompt_digest
 from dhisparse.errors import InvalidRequestError
+from dhisparse.kv.config import KVLayout
 
 
 def expected_layout(engine: Any, prompt_len: int) -> RegionLayout:
     """The region layout this decode engine's own prefill would publish for a ``prompt_len``-token prompt."""
-    kv_layout = engine.kv.layout
+    # The prefill publishes the model's rows: one source per layer, in the engine dtype (whatever the store keeps).
+    kv_layout = getattr(engine.kv, "layout", None) or KVLayout.from_model_config(engine.model.cfg,
+                                                                                  engine.cfg.torch_dtype)
     feature_rows = feature_dim = 0
     if engine.spec is not None:
         feature_rows = min(prompt_len, engine.spec.ring.window)
