@@ -27,7 +27,8 @@ def _parameter(config: Path, key: str) -> str:
     return text.split(marker, 1)[1].split('"', 1)[0]
 
 
-def test_each_role_fills_its_models_and_parameters(spec: RepositorySpec, tmp_path: Path) -> None:
+def test_each_role_fills_its_models_and_parameters(spec: RepositorySpec, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # auto: the interface of the address
     both = fill_disaggregated_repository(spec, tmp_path / "both")
     assert set(both) == {"context", "generation", "disaggregated_serving_bls", "preprocessing", "postprocessing",
                          "ensemble"}

@@ -2,8 +2,9 @@
 
 UCX's TCP transport opens a listening socket on every interface it is allowed (``UCX_NET_DEVICES``, default: all),
 so a server bound to 127.0.0.1 would still accept UCX connections from the network. The agents are created with
-``UCX_NET_DEVICES`` set to the interface that carries ``--address`` (``lo`` for loopback), or to what the operator
-names (``--ucx-net-devices``); ``0.0.0.0`` / ``::`` mean every interface, as for the endpoints.
+``UCX_NET_DEVICES`` set to what the operator names (``--ucx-net-devices``), else to the one already in the
+environment, else to the interface that carries ``--address`` (``lo`` for loopback); ``0.0.0.0`` / ``::`` mean
+every interface, as for the endpoints.
 """
 
 from __future__ import annotations
@@ -45,9 +46,13 @@ def interface_of(address: str) -> str | None:
 
 
 def net_devices(setting: str, address: str) -> str:
-    """The ``UCX_NET_DEVICES`` value for a setting (``auto`` or explicit) and the server address ("" = all)."""
+    """The ``UCX_NET_DEVICES`` value for a setting and the server address ("" = leave UCX's choice): an explicit
+    setting wins; ``auto`` keeps a ``UCX_NET_DEVICES`` already in the environment (e.g. an RDMA device), else binds
+    to the interface of ``address`` (every interface for 0.0.0.0)."""
     if setting and setting != AUTO:
         return setting
+    if os.environ.get("UCX_NET_DEVICES"):
+        return ""  # the operator chose; the agents inherit it
     return interface_of(address) or ""
 
 
