@@ -93,3 +93,19 @@ def start_streams(grpc_url: str, input_ids: list[int], max_tokens: int, count: i
     for thread in threads:
         thread.start()
     return threads, outcomes
+
+
+def stream_text(grpc_url: str, model: str, prompt: str, max_tokens: int, outcome: Outcome) -> None:
+    """Stream a text request (`ensemble` or `dhisparse_bls`), recording chunks and how it ended (never raises)."""
+    from dhisparse_client import DHiSparseClient, GenerationError, GenerationOptions
+
+    client = DHiSparseClient(grpc_url, model=model, timeout_s=BOUND_S)
+    try:
+        for _ in client.stream(prompt, GenerationOptions(max_tokens=max_tokens)):
+            outcome.chunks += 1
+            outcome.first.set()
+        outcome.finished = True
+    except GenerationError as error:
+        outcome.error = str(error)
+    finally:
+        outcome.first.set()

@@ -1,6 +1,7 @@
 """Security suite: shutting down, the operator's way and the hard way (real `dhisparse-serve` processes).
 
-* SIGTERM under load: the server turns not-ready at once and refuses new requests; every open stream is answered
+* SIGTERM under load (streams on the engine model, the ensemble and the BLS model): the server turns not-ready at
+  once and refuses new requests; every open stream is answered
   (its final response, or an error saying the server is shutting down); `dhisparse-serve` exits 0 and leaves no
   process of tritonserver's group and no shared-memory region behind; while it ran, its regions were owner-only.
 * SIGKILL of `dhisparse-serve` under load: tritonserver (its parent-death signal) and the stubs exit, every client is
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
-from attack import BOUND_S, alive, ready, start_streams, wait_until
-from conftest import POOL_BYTES
+from attack import BOUND_S, Outcome, alive, ready, start_streams, stream_text, wait_until
+from conftest import POOL_BYTES, PROMPT
 
 from dhisparse.serving import process_guard
+from dhisparse.serving.repository import drain_file
 from dhisparse.serving.server import free_ports
 from dhisparse_client import DHiSparseClient, GenerationError, GenerationOptions
 from dhisparse_client.serve_process import ServeError, ServeProcess
@@ -26,6 +30,12 @@ from dhisparse_client.serve_process import ServeError, ServeProcess
 OPTIONS = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES, "page_rows": 16}
 STREAMS = 4
 LONG = 470  # far more tokens than the grace lets them produce
+
+
+def serve_repository(serve: ServeProcess):
+    """The model repository of a running `dhisparse-serve` (from tritonserver's command line)."""
+    argv = Path(f"/proc/{serve.endpoints.triton_pid}/cmdline").read_bytes().split(b"\0")
+    return Path(next(a for a in argv if a.startswith(b"--model-repository=")).split(b"=", 1)[1].decode())
 
 
 def _answered(outcome) -> bool:
@@ -49,14 +59,20 @@ def test_sigterm_under_load_answers_every_stream_and_leaves_nothing(tiny_engine,
         regions = process_guard.shm_regions(f"{process_guard.SHM_PREFIX}{serve_pid}_")
         assert regions and all(p.stat().st_mode & 0o077 == 0 for p in regions), "shared memory is owner-only"
         threads, outcomes = start_streams(endpoints.grpc_url, prompt_runs_long, LONG, STREAMS)
+        for model in ("ensemble", "dhisparse_bls"):  # the text paths too
+            outcomes.append(Outcome())
+            threads.append(threading.Thread(target=stream_text, args=(endpoints.grpc_url, model, PROMPT, LONG,
+                                                                      outcomes[-1]), daemon=True))
+            threads[-1].start()
         assert all(o.first.wait(BOUND_S) for o in outcomes) and all(o.chunks for o in outcomes), outcomes
         began = time.monotonic()
         os.kill(serve_pid, signal.SIGTERM)
-        assert wait_until(lambda: not ready(endpoints.http_url), 10), "still ready after SIGTERM"
-        not_ready_s = time.monotonic() - began
         late = DHiSparseClient(endpoints.grpc_url, timeout_s=BOUND_S)
-        with pytest.raises(GenerationError):  # a new request is refused, not queued
-            list(late.stream_token_ids(prompt_runs_long, GenerationOptions(max_tokens=4)))
+        assert wait_until(lambda: drain_file(serve_repository(serve)).exists(), 10)
+        with pytest.raises(GenerationError, match="shutting down|not ready|Socket closed|failed to connect"):
+            list(late.stream_token_ids(prompt_runs_long, GenerationOptions(max_tokens=4)))  # refused, not queued
+        assert wait_until(lambda: not ready(endpoints.http_url), BOUND_S), "still ready after SIGTERM"
+        not_ready_s = time.monotonic() - began
         for thread in threads:
             thread.join(BOUND_S)
         assert not any(t.is_alive() for t in threads), "a client hung through the shutdown"

@@ -77,8 +77,8 @@ class GenerationService:
         prompt = request.prompt_token_ids
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        if self._drain is not None and self._drain.draining:
-            raise self._drain.refusal()
+        if self._drain is not None:
+            self._drain.refuse_new_requests()
         self.engine.validate(prompt, request.params)
         check_context(context, self.engine, prompt)  # the params fit this engine and this request
         self._ledger.take(context)  # and were not imported before

@@ -11,6 +11,7 @@ not-ready), it stops the server and exits with code 3. Hardening flags: `cli_har
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import tempfile
@@ -170,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
         config = ServerConfig(model_repo, backend_dir, http, grpc, metrics, args.address, args.log_verbose,
                               security=security, load_models=tuple(models), http_address=args.http_address,
                               metrics_address=args.metrics_address,
-                              exit_timeout_s=int(args.shutdown_grace) + 25)
+                              # after the drain nothing of ours is open: what Triton still counts as in flight is an
+                              # ensemble whose streamed step failed (2.51 keeps counting it); a SIGKILLed launcher's
+                              # models end their streams after the grace, within this
+                              exit_timeout_s=math.ceil(args.shutdown_grace) + 3,
+                              drain_timeout_s=args.shutdown_grace + 5)
         server = TritonServer(config, install, args.log_file)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,11 +1,13 @@
 """When the server is going down: the models' view of a shutdown (SIGTERM of ``dhisparse-serve``, or its death).
 
-The launcher creates the repository's drain file (``repository.drain_file``) before it sends tritonserver SIGTERM;
-a launcher that died without doing so (SIGKILL) is noticed through its pid (``supervisor_pid``). From then on a
-model refuses new requests and lets its open ones run for ``grace_s`` seconds; whatever is still open then is
-answered with an error (:class:`ShuttingDownError`). Meanwhile tritonserver, on its SIGTERM, reports not-ready,
-refuses new requests and waits for the in-flight ones (``--exit-timeout-secs`` exceeds the grace), so it unloads the
-models only once every stream has its answer.
+The launcher creates the repository's drain file (``repository.drain_file``); a launcher that died without doing so
+(SIGKILL) is noticed through its pid (``supervisor_pid``). From then on a model refuses new requests and lets its
+open ones run for ``grace_s`` seconds; whatever is still open then is answered with an error
+(:class:`ShuttingDownError`). The launcher waits until no model has an open request (``TritonServer.wait_drained``)
+and only then sends tritonserver SIGTERM (not-ready, exit): a stopping tritonserver refuses the ensemble's internal
+step requests, so an ensemble stream must have its answer before. (Orphaned by SIGKILL, tritonserver gets its
+SIGTERM at once from the parent-death signal; its exit timeout exceeds the grace, so the engine models' streams are
+still answered, while an ensemble stream may then end in a GOAWAY.)
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ class DrainWatch:
     def expired(self) -> bool:
         """Whether the grace is over and open requests must be answered with an error now."""
         return self.since is not None and time.monotonic() - self.since >= self.grace_s
+
+    def refuse_new_requests(self) -> None:
+        """Raise the refusal when the server drains (looks for the signal first: a request must not slip in between
+        the drain file and the supervisor's next poll)."""
+        self.poll()
+        if self.draining:
+            raise self.refusal()
 
     def refusal(self) -> ShuttingDownError:
         """The error a new request gets while draining."""

@@ -74,8 +74,8 @@ class LLMService:
         it. Raises InvalidRequestError (nothing queued, nothing sent) when the engine refuses the request, and
         ShuttingDownError once the server drains.
         """
-        if self._drain is not None and self._drain.draining:
-            raise self._drain.refusal()
+        if self._drain is not None:
+            self._drain.refuse_new_requests()
         request_id = f"triton-{next(self._ids)}"
         stream = self.loop.submit(request.prompt_token_ids, request.params.for_sequence(sequence_index), request_id)
         with self._lock:
@@ -92,8 +92,8 @@ class LLMService:
         """Serve every sequence of every prompt of one Triton request (`num_return_sequences` each) through one
         sender; its last response carries the final flag (see `ResponseGroup`). Every request is validated
         first: InvalidRequestError means nothing was started."""
-        if self._drain is not None and self._drain.draining:
-            raise self._drain.refusal()
+        if self._drain is not None:
+            self._drain.refuse_new_requests()
         for request in requests:
             for index in range(request.num_return_sequences):
                 self.loop.engine.validate(request.prompt_token_ids, request.params.for_sequence(index))

@@ -9,8 +9,11 @@ first on `PATH` (the stub runs the first `python3` it finds there; `PYTHONPATH` 
 Hardening (docs/security.md): the administrative APIs are restricted (`triton_security.SecurityOptions`); only
 the named models are loaded; the child gets a parent-death signal and a private umask (`process_guard`); a start
 whose ports are taken fails saying so, and readiness is believed only from a socket our child owns; `stop` signals
-the models to drain (the repository's drain file), then SIGTERMs tritonserver, then makes sure no process of its
-group and none of its shared-memory regions are left.
+the models to drain (the repository's drain file: new requests refused, open ones answered within the grace), waits
+until no model has an open request, then SIGTERMs tritonserver (not-ready, exit), then makes sure no process of its
+group and none of its shared-memory regions are left. The drain comes first because a stopping tritonserver 2.51
+refuses the ensemble's internal step requests: an ensemble stream still open then would stall until the exit
+timeout and end in a GOAWAY instead of its answer.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ class ServerConfig:
         http_address / metrics_address: per-endpoint addresses ("" = `address`), e.g. HTTP on loopback behind a
             TLS proxy while gRPC (with TLS) faces the network.
         exit_timeout_s: tritonserver's `--exit-timeout-secs` (how long it waits for in-flight requests at exit).
+        drain_timeout_s: at `stop`, the longest wait for the models to answer their open requests (the shutdown grace
+            and a margin) before tritonserver gets SIGTERM.
     """
 
     model_repository: Path
@@ -83,6 +88,7 @@ class ServerConfig:
     http_address: str = ""
     metrics_address: str = ""
     exit_timeout_s: int = 30
+    drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.exit_timeout_s < 1:
@@ -294,15 +300,44 @@ class TritonServer:
         if marker.parent.is_dir():
             marker.touch()
 
+    def open_requests(self) -> float | None:
+        """Requests with an open stream in our models (the sum of their `dhisparse_serving_active_requests` gauges),
+        None when the metrics endpoint does not answer."""
+        try:
+            with urllib.request.urlopen(self.config.metrics_url, timeout=1.0) as response:
+                text = response.read().decode(errors="replace")
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            return None
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("dhisparse_serving_active_requests{"))
+
+    def wait_drained(self, timeout_s: float, settle_s: float = 0.5) -> bool:
+        """After `begin_drain`: wait until no model has an open request, seen twice `settle_s` apart (the gauges are
+        refreshed every metrics interval), or `timeout_s` passed. True when drained."""
+        deadline = time.monotonic() + timeout_s
+        idle_since = None
+        while time.monotonic() < deadline and self.poll() is None:
+            if self.open_requests() == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since >= settle_s:
+                    return True
+            else:
+                idle_since = None
+            time.sleep(0.05)
+        return False
+
     def stop(self, timeout_s: float | None = None) -> int | None:
-        """Drain, SIGTERM, wait up to `timeout_s` (default: the exit timeout + 15 s), then SIGKILL the process group;
-        then make sure no process of the group and no shared-memory region of this server is left. Returns the
-        exit code."""
-        process, self._process = self._process, None
+        """Drain (at most `drain_timeout_s`), SIGTERM, wait up to `timeout_s` (default: the exit timeout + 15 s), then
+        SIGKILL the process group; then make sure no process of the group and no shared-memory region of this server
+        is left. Returns the exit code."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            self.begin_drain()
+            self.wait_drained(self.config.drain_timeout_s)
+        self._process = None
         code = None
         if process is not None:
             if process.poll() is None:
-                self.begin_drain()
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(timeout=timeout_s if timeout_s is not None else self.config.exit_timeout_s + 15)

@@ -44,7 +44,6 @@ class TritonPythonModel:
                                       limits=self.settings.limits)
 
     def execute(self, requests: list) -> list:
-        self.settings.drain.poll()
         responses = []
         for request in requests:
             try:
@@ -59,8 +58,7 @@ class TritonPythonModel:
                 self.settings.check(inputs, self.auth.CONTEXT, self.auth.request_subject(request.request_id(), inputs),
                                     "context is internal to the disaggregated deployment: only its orchestrator "
                                     "(disaggregated_serving_bls) may call it")
-                if self.settings.drain.draining:
-                    raise self.settings.drain.refusal()
+                self.settings.drain.refuse_new_requests()
                 responses.append(self.tensors.response(pb_utils, self.service.run(inputs, request.request_id())))
             except Exception as error:  # InvalidRequestError, refusals, a failed prefill: an error, never silence
                 responses.append(self.tensors.error_response(pb_utils, error))
