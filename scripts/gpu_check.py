@@ -70,6 +70,7 @@ def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
 # --------------------------------------------------------------------------------------------- kernels
 def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]:
     from dhisparse.kernels.reference import decode_fp8_rows, encode_fp8_rows, sparse_mla_reference
+    from dhisparse.kernels.resolver import resolve
     from dhisparse.kernels.self_check import (
         compare_attention,
         compare_resolutions,
@@ -77,7 +78,6 @@ def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]
         resolver_case,
         run_self_check,
     )
-    from dhisparse.kv.resolver import resolve
 
     out: dict[str, Any] = {}
     results = [r for seed in range(seeds) for r in run_self_check(kernels, dev, seed)]
@@ -114,7 +114,7 @@ def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]
 
 
 def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[dict[str, Any]]:
-    from dhisparse import native
+    from dhisparse.kernels import native
     from dhisparse.kernels.self_check import resolver_case
 
     g = torch.Generator().manual_seed(1)

@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.add_request(prompt, SamplingParams(max_tokens=args.warm_steps * 8 + 64, ignore_eos=True))
     for _ in range(args.warm_steps):
         engine.step()
-    if engine.waiting or len(engine.running) != args.batch:
-        raise SystemExit(f"expected {args.batch} running requests after warm-up, got {len(engine.running)} "
-                         f"(waiting {len(engine.waiting)})")
+    if engine.scheduler.waiting or len(engine.scheduler.running) != args.batch:
+        raise SystemExit(f"expected {args.batch} running requests after warm-up, got "
+                         f"{len(engine.scheduler.running)} (waiting {len(engine.scheduler.waiting)})")
     tracer = StepTracer()
     sys.settrace(tracer)
     try:

@@ -28,10 +28,11 @@ from dhisparse.kv.config import KVLayout
 
 
 def expected_layout(engine: Any, prompt_len: int) -> RegionLayout:
-    """The region layout this decode engine's own prefill would publish for a ``prompt_len``-token prompt."""
+    """The region layout this decode engine's own prefill would publish for a ``prompt_len``-token prompt (an
+    ``LLMEngine``, or a ``DecodeEngine`` composing one as ``.engine``)."""
+    engine = getattr(engine, "engine", engine)
     # The prefill publishes the model's rows: one source per layer, in the engine dtype (whatever the store keeps).
-    kv_layout = getattr(engine.kv, "layout", None) or KVLayout.from_model_config(engine.model.cfg,
-                                                                                  engine.cfg.torch_dtype)
+    kv_layout = KVLayout.from_model_config(engine.model.cfg, engine.cfg.torch_dtype)
     feature_rows = feature_dim = 0
     if engine.spec is not None:
         feature_rows = min(prompt_len, engine.spec.ring.window)
@@ -57,7 +58,7 @@ def check_context(context: ContextPhaseParams, engine: Any, prompt: list[int]) -
         if got != expected:
             raise InvalidRequestError(f"context_phase_params: layout.{name} is {got!r}, this engine expects "
                                       f"{expected!r} (run the context and generation roles on the same engine)")
-    vocab = engine.model.cfg.vocab_size
+    vocab = getattr(engine, "engine", engine).model.cfg.vocab_size
     if not 0 <= context.first_token < vocab:
         raise InvalidRequestError(f"context_phase_params: first token {context.first_token} is outside the "
                                   f"vocabulary [0, {vocab})")

@@ -11,6 +11,7 @@ import torch
 
 from dhisparse import defaults
 from dhisparse.errors import ConfigError
+from dhisparse.kv.config import KVConfig
 from dhisparse.kv.policies import ENGINE_POLICIES, policy_named
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -82,6 +83,16 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def kv_config(self, max_query_len: int, draft_ring_bytes: int, max_model_len: int) -> KVConfig:
+        """The KV hierarchy's budget and policy for this configuration (``max_query_len``: 1, or gamma + 1 when
+        speculating; ``draft_ring_bytes``: the drafter's ring per request, required memory)."""
+        return KVConfig(
+            policy=self.kv_policy, pool_bytes=self.pool_bytes, hot_rows=self.hot_rows, page_rows=self.page_rows,
+            reserve_bytes=self.reserve_bytes, refill_pages_per_step=self.refill_pages_per_step,
+            max_query_len=max_query_len, draft_ring_bytes=draft_ring_bytes, host_bytes=self.host_bytes,
+            # The persistent batch state (kv/batch_state.py) is allocated once for these.
+            max_batch_size=self.max_batch_size, max_model_len=max_model_len)
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         known = {f.name for f in fields(self)}

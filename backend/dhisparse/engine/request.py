@@ -41,6 +41,10 @@ class Request:
     context_logits: torch.Tensor | None = None  # [prompt_len, V] until sent with the first update
     cum_log_prob: float = 0.0  # sum of the generated tokens' log-probabilities (when params.logprobs)
     output_log_probs: list[float] = field(default_factory=list)  # per generated token (when params.logprobs)
+    stop_ids: frozenset[int] = frozenset()  # params.stop_token_ids, as a set (set at creation)
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def prompt_len(self) -> int:

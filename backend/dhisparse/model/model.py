@@ -126,7 +126,7 @@ class DSAModel:
         """Prefill one prompt chunk by chunk over a local KV; chunking bounds the attention workspace and does
         not change results (each chunk's queries see every earlier row). ``on_chunk(start)`` is called before each
         chunk's forward (the engine's fault injection). ``store`` replaces the default ``LocalKV`` of the whole
-        prompt (the engine streams rows into the KV hierarchy's host pages: ``engine/prefill_stream.py``)."""
+        prompt (the engine streams rows into the KV hierarchy's host pages: ``kv/prefill_stream.py``)."""
         ids = to_device(token_ids, torch.int64, self.device).view(-1)
         total = ids.numel()
         cfg = self.cfg

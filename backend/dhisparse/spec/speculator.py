@@ -27,10 +27,6 @@ class Speculator:
         max_slots: int,
         target: ModelConfig,
         device: torch.device,
-        *,
-        min_confidence: float = 0.0,
-        busy_confidence: float = 0.3,
-        busy_batch: int = 8,
     ) -> None:
         if not drafter_dir.is_dir():
             raise ConfigError(f"speculative decoding needs a drafter at {drafter_dir}; pack one with "
@@ -48,7 +44,6 @@ class Speculator:
             raise ConfigError(f"num_draft_tokens must be in 1..{cfg.max_block} for this drafter, got {gamma}")
         self.gamma, self.device = gamma, device
         self.layers = tuple(cfg.target_layer_ids)
-        self.min_confidence, self.busy_confidence, self.busy_batch = min_confidence, busy_confidence, busy_batch
         if isinstance(self.drafter, DFlash2Drafter):
             row_values = cfg.ring_row_values
         else:
@@ -87,7 +82,7 @@ class Speculator:
         self,
         slots: torch.Tensor,
         last_tokens: torch.Tensor,
-        batch_size: int,
+        threshold: float,
         temperature: torch.Tensor,
         seeds: torch.Tensor,
         counters: torch.Tensor,
@@ -96,8 +91,8 @@ class Speculator:
 
         ``temperature [B]`` (0 = greedy: ``q`` is the point mass of the argmax), ``seeds``/``counters [B]`` key the
         uniforms (stream 3). ``lengths`` is how many drafts each request verifies: ``gamma`` for DFlash2; for DSpark
-        the confident prefix under a threshold that rises to ``busy_confidence`` when ``batch_size >= busy_batch``
-        (load-aware shortening)."""
+        the prefix whose confidence stays at or above ``threshold`` (the scheduler's load-aware choice,
+        ``Scheduler.verification_threshold``)."""
         context, mask = self.ring.context(slots)
         b = slots.shape[0]
         steps = counters.unsqueeze(1) + torch.arange(self.gamma, device=self.device)
@@ -124,8 +119,6 @@ class Speculator:
         if confidence is None:
             lengths = torch.full((b,), self.gamma, dtype=torch.int64, device=self.device)
         else:
-            busy = batch_size >= self.busy_batch
-            threshold = max(self.min_confidence, self.busy_confidence if busy else 0.0)
             lengths = confident_prefix_length(confidence, threshold)
         return draft, q, lengths, confidence
 

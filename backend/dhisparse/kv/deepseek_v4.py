@@ -1,4 +1,11 @@
-"""DeepSeek-V4 over the KV hierarchy: CSA's compressed entries are the sparse, selectable rows.
+"""KV stores for DeepSeek-V4 models: the reference (:class:`V4DenseKVStore`, every request's state whole) and the
+hierarchy (:class:`V4HierarchyKVStore`), where CSA's compressed entries are the sparse, selectable rows.
+
+The reference (``dense`` policy): every request's V4 state (sliding-window rows, compressor pending state,
+compressed entries and indexer keys) held whole on the device, no budget, no tiers; the states of running requests
+are slots of one :class:`V4StatePool` (batched, updated in place).
+
+The hierarchy (``resident``, ``hisparse``, ``adaptive``):
 
 What goes where:
 
@@ -24,10 +31,17 @@ complete) and keeps those completed by the accepted tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
-from dhisparse.kv import KVConfig, KVLayout, KVManager
+from dhisparse.kv.config import KVConfig, KVLayout
+from dhisparse.kv.copies import CopyError
+from dhisparse.kv.host_sync import HostSync
+from dhisparse.kv.manager import KVManager
+from dhisparse.kv.policies import POLICIES, KVPolicy
 from dhisparse.kv.step import StepKV
+from dhisparse.kv.store import HostRowsTarget, KVMemory, PromptRows
 from dhisparse.model.deepseek_v4.config import CSA, DeepseekV4Config
 from dhisparse.model.deepseek_v4.kv_state import Key, V4RequestKV, state_keys
 from dhisparse.model.deepseek_v4.state_pool import V4PooledStepKV, V4StatePool
@@ -66,6 +80,13 @@ def entry_rows(prompt_len: int, max_new_tokens: int, rate: int) -> tuple[int, in
     return prompt_len // rate + 1, -(-max_new_tokens // rate) + 1
 
 
+class V4DenseStepKV(V4PooledStepKV):
+    """A reference step: the pool's state is the whole history; nothing is deferred, so the report is empty."""
+
+    def report(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=torch.int64, device=self.device)
+
+
 class V4HierarchyStepKV(V4PooledStepKV):
     """A step whose CSA entries are written to and gathered from the hierarchy's step."""
 
@@ -73,6 +94,10 @@ class V4HierarchyStepKV(V4PooledStepKV):
                  kv_layer: dict[int, int]) -> None:
         super().__init__(pool, slots, query_len, device)
         self.inner, self.kv_layer = inner, kv_layer
+
+    def report(self) -> torch.Tensor:
+        """The hierarchy step's report (its checks and resolution counts)."""
+        return self.inner.report()
 
     def _in_hierarchy(self, key: Key) -> bool:
         return key[1] == "kv" and key[0] in self.kv_layer
@@ -96,12 +121,100 @@ class V4HierarchyStepKV(V4PooledStepKV):
         return self.inner.gather(self.kv_layer[layer], positions)
 
 
-class V4HierarchyKVManager:
-    """Manager interface of ``dhisparse.kv.KVManager`` for a V4 model (see the module docstring); admission
-    and budgets are the inner manager's, in entry rows."""
+def _v4_state(rows: PromptRows | None) -> V4RequestKV:
+    if not isinstance(rows, V4RequestKV):
+        raise TypeError("a deepseek_v4 request imports the V4RequestKV its prefill produced")
+    return rows
+
+
+class V4DenseKVStore:
+    """The reference store for V4: admits everything, keeps each request's whole state (see the module docstring)."""
+
+    def __init__(self, cfg: DeepseekV4Config, device: torch.device, max_query_len: int = 1) -> None:
+        self.cfg, self.device, self.max_query_len = cfg, device, max_query_len
+        self.pool: V4StatePool | None = None  # created at the first import (the model's dtype)
+        self.slots: dict[str, int] = {}
+        self.sync = HostSync()
+        self._step: tuple[list[str], V4DenseStepKV] | None = None
+
+    @property
+    def policy(self) -> KVPolicy:
+        return POLICIES["dense"]
+
+    def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
+        return None
+
+    def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
+        return True
+
+    def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
+        return None
+
+    def import_target(self, request_id: str) -> HostRowsTarget | None:
+        return None
+
+    def import_prompt(self, request_id: str, rows: PromptRows | None,
+                      index_keys: Mapping[int, torch.Tensor] | None) -> None:
+        state = _v4_state(rows)
+        if self.pool is None:
+            self.pool = V4StatePool(self.cfg, state.window[0].dtype, self.device)
+        self.slots[request_id] = self.pool.load(state)
+
+    def begin_step(self, request_ids: Sequence[str], query_len: int) -> V4DenseStepKV:
+        assert self.pool is not None
+        step = V4DenseStepKV(self.pool, [self.slots[r] for r in request_ids], query_len, self.device)
+        self._step = (list(request_ids), step)
+        return step
+
+    def end_step(self, accepted: Mapping[str, int], report: Sequence[int] | None = None) -> None:
+        assert self._step is not None
+        request_ids, step = self._step
+        step.commit([accepted.get(r, step.query_len) for r in request_ids])
+        self._step = None
+
+    def abort_step(self) -> None:
+        """Drop the open step after a fault; the engine ends every request of it (their state is not restored)."""
+        self._step = None
+
+    def owners_of(self, failure: CopyError) -> list[str]:
+        return []  # the reference store issues no copies
+
+    def release(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is not None and self.pool is not None:
+            self.pool.release(slot)
+
+    def poll(self) -> None:
+        return None
+
+    def read(self, *tensors: torch.Tensor) -> list[list[int]]:
+        return self.sync.read(*tensors)
+
+    def memory(self) -> KVMemory:
+        return KVMemory()
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_requests": float(len(self.slots)), "kv_host_syncs": float(self.sync.reads)}
+
+    def request_stats(self, request_id: str) -> dict[str, float]:
+        slot = self.slots.get(request_id)
+        if slot is None or self.pool is None:
+            return {}
+        return {f"kv_{k}_bytes": float(v) for k, v in self.pool.nbytes(slot).items()}
+
+    def check_invariants(self) -> None:
+        return None
+
+    def corrupt_accounting(self) -> None:
+        """No byte accounting to break (the drill's step still fails)."""
+
+
+class V4HierarchyKVStore:
+    """A V4 model over the hierarchy (see the module docstring); admission and budgets are the inner
+    :class:`KVManager`'s, in entry rows."""
 
     def __init__(self, cfg: DeepseekV4Config, kv_config: KVConfig, dtype: torch.dtype, device: torch.device,
-                 max_model_len: int) -> None:
+                 max_model_len: int, **manager_options: object) -> None:
         self.cfg, self.device = cfg, device
         self.rate = cfg.compress_rate_csa
         self.layout, self.kv_layer = csa_layout(cfg, dtype)
@@ -110,13 +223,16 @@ class V4HierarchyKVManager:
                                             index_key_bytes=cfg.index_head_dim * item, pending_value_bytes=item)
         kv_config = KVConfig(**{**kv_config.__dict__,
                                 "model_state_bytes": kv_config.model_state_bytes + self.state_bytes})
-        self.inner = KVManager(self.layout, kv_config, device)
-        self.policy = kv_config.policy
+        self.inner = KVManager(self.layout, kv_config, device, **manager_options)  # type: ignore[arg-type]
         in_hierarchy = {(layer, "kv") for layer in self.kv_layer}
         self.pool = V4StatePool(cfg, dtype, device, entry_keys={k for k in state_keys(cfg) if k not in in_hierarchy})
         self.slots: dict[str, int] = {}
         self.step: V4HierarchyStepKV | None = None
         self._step_ids: list[str] = []
+
+    @property
+    def policy(self) -> KVPolicy:
+        return self.inner.policy
 
     def required_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
         """Device bytes a request reserves at admission (entry rows in the hierarchy + the V4 tail)."""
@@ -135,12 +251,17 @@ class V4HierarchyKVManager:
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         return self.inner.try_admit(request_id, *entry_rows(prompt_len, max_new_tokens, self.rate))
 
-    def import_prompt(self, request_id: str, rows: V4RequestKV, index_keys: dict[int, torch.Tensor]) -> None:
+    def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
+        return None  # the V4 prefill builds its whole state locally
+
+    def import_target(self, request_id: str) -> HostRowsTarget | None:
+        return None
+
+    def import_prompt(self, request_id: str, rows: PromptRows | None,
+                      index_keys: Mapping[int, torch.Tensor] | None) -> None:
         """Move the prefilled state's CSA entries into the hierarchy (rows ``1 … E``); keep the rest of the
         state as the request's required tail."""
-        state = rows
-        if not isinstance(state, V4RequestKV):
-            raise TypeError("a deepseek_v4 request imports the V4RequestKV its prefill produced")
+        state = _v4_state(rows)
         n = state.length // self.rate
         sources = torch.zeros(self.layout.num_sources, n + 1, self.cfg.head_dim, dtype=self.layout.dtype,
                               device=self.device)
@@ -150,22 +271,22 @@ class V4HierarchyKVManager:
         self.inner.import_prompt(request_id, sources, {})
         self.slots[request_id] = self.pool.load(state)
 
-    def begin_step(self, request_ids: list[str], query_len: int) -> V4HierarchyStepKV:
+    def begin_step(self, request_ids: Sequence[str], query_len: int) -> V4HierarchyStepKV:
         inner = self.inner.begin_step(request_ids, -(-query_len // self.rate))  # entries one step may complete
         self.step = V4HierarchyStepKV(self.pool, [self.slots[r] for r in request_ids], query_len, self.device,
                                       inner, self.kv_layer)
         self._step_ids = list(request_ids)
         return self.step
 
-    def end_step(self, accepted: dict[str, int]) -> None:
+    def end_step(self, accepted: Mapping[str, int], report: Sequence[int] | None = None) -> None:
         """Commit the tokens; the hierarchy keeps its provisional row where a window completed."""
         step = self.step
         assert step is not None
         before = torch.div(self.pool.length[step.slot], self.rate, rounding_mode="floor")
         step.commit([accepted.get(r, step.query_len) for r in self._step_ids])
         kept = torch.div(self.pool.length[step.slot], self.rate, rounding_mode="floor") - before
-        self.inner.end_step(dict(zip(self._step_ids, kept.tolist(), strict=True)))
         self.step = None
+        self.inner.end_step(dict(zip(self._step_ids, kept.tolist(), strict=True)), report)
 
     def abort_step(self) -> None:
         """Roll the hierarchy's open step back after a fault. The V4 window/compressor state of the step's
@@ -174,8 +295,8 @@ class V4HierarchyKVManager:
             self.inner.abort_step()
             self.step = None
 
-    def owners_of(self, ticket: object) -> list[str]:
-        return list(self._step_ids) if self.step is not None else self.inner.owners_of(ticket)
+    def owners_of(self, failure: CopyError) -> list[str]:
+        return list(self._step_ids) if self.step is not None else self.inner.owners_of(failure)
 
     def release(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)
@@ -185,6 +306,12 @@ class V4HierarchyKVManager:
 
     def poll(self) -> None:
         self.inner.poll()
+
+    def read(self, *tensors: torch.Tensor) -> list[list[int]]:
+        return self.inner.read(*tensors)
+
+    def memory(self) -> KVMemory:
+        return self.inner.memory()
 
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
@@ -198,3 +325,6 @@ class V4HierarchyKVManager:
 
     def check_invariants(self) -> None:
         self.inner.check_invariants()
+
+    def corrupt_accounting(self) -> None:
+        self.inner.corrupt_accounting()

@@ -1,15 +1,21 @@
 """Reference KV store: every request's full history in its own dense tensors, no budget, no tiers.
 
-It implements the same manager interface as the hierarchical ``dhisparse.kv.KVManager`` and is the obviously
-correct baseline the tests compare every policy against. It loops over the requests of a batch (never over rows).
+It implements :class:`~dhisparse.kv.store.KVStore` like the hierarchy (:class:`~dhisparse.kv.manager.KVManager`)
+and is the obviously correct baseline the tests compare every policy against. It loops over the requests of a
+batch (never over rows).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 
 from dhisparse.host_values import to_device
+from dhisparse.kv.copies import CopyError
 from dhisparse.kv.host_sync import HostSync
+from dhisparse.kv.policies import POLICIES, KVPolicy
+from dhisparse.kv.store import HostRowsTarget, KVMemory, PromptRows
 from dhisparse.model.config import ModelConfig
 
 
@@ -22,7 +28,7 @@ class _Store:
 
 
 class DenseStepKV:
-    """``StepKV`` over the dense stores of a batch."""
+    """The :class:`~dhisparse.kv.store.KVStep` over the dense stores of a batch."""
 
     def __init__(self, stores: list[_Store], query_len: int, device: torch.device) -> None:
         self.stores, self.query_len = stores, query_len
@@ -56,17 +62,18 @@ class DenseStepKV:
         return out.masked_fill((positions < 0).unsqueeze(-1), 0)
 
 
-class DenseKVManager:
-    """Unbounded reference manager: admits everything, stores everything densely."""
-
-    policy = "dense"
-    staging_overflow_bytes_per_request = 0  # no hot cache, nothing overflows
+class DenseKVStore:
+    """Unbounded reference store: admits everything, stores everything densely."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_query_len: int = 1) -> None:
         self.cfg, self.dtype, self.device, self.max_query_len = cfg, dtype, device, max_query_len
         self.stores: dict[str, _Store] = {}
         self.sync = HostSync()
         self._step: tuple[list[str], int] | None = None
+
+    @property
+    def policy(self) -> KVPolicy:
+        return POLICIES["dense"]
 
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
         return None
@@ -76,19 +83,28 @@ class DenseKVManager:
         self.stores[request_id] = _Store(self.cfg, capacity, self.dtype, self.device)
         return True
 
-    def import_prompt(self, request_id: str, rows: torch.Tensor, index_keys: dict[int, torch.Tensor]) -> None:
+    def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
+        return None  # the prefill's local rows are imported whole
+
+    def import_target(self, request_id: str) -> HostRowsTarget | None:
+        return None  # no host store: the rows come with import_prompt
+
+    def import_prompt(self, request_id: str, rows: PromptRows | None,
+                      index_keys: Mapping[int, torch.Tensor] | None) -> None:
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError("the dense store imports the prompt's rows [num_layers, T, row_dim]")
         s = self.stores[request_id]
         t = rows.shape[1]
         s.rows[:, :t] = rows
-        for layer, k in index_keys.items():
+        for layer, k in (index_keys or {}).items():
             s.keys[layer][:t] = k
         s.length = t
 
-    def begin_step(self, request_ids: list[str], query_len: int) -> DenseStepKV:
+    def begin_step(self, request_ids: Sequence[str], query_len: int) -> DenseStepKV:
         self._step = (list(request_ids), query_len)
         return DenseStepKV([self.stores[r] for r in request_ids], query_len, self.device)
 
-    def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
+    def end_step(self, accepted: Mapping[str, int], report: Sequence[int] | None = None) -> None:
         assert self._step is not None
         request_ids, query_len = self._step
         for r in request_ids:
@@ -106,7 +122,7 @@ class DenseKVManager:
         if self._step is not None:
             self.end_step(dict.fromkeys(self._step[0], 0))
 
-    def owners_of(self, ticket: object) -> list[str]:
+    def owners_of(self, failure: CopyError) -> list[str]:
         return []  # the dense store issues no copies
 
     def release(self, request_id: str) -> None:
@@ -114,6 +130,15 @@ class DenseKVManager:
 
     def poll(self) -> None:
         return None
+
+    def read(self, *tensors: torch.Tensor) -> list[list[int]]:
+        return self.sync.read(*tensors)
+
+    def memory(self) -> KVMemory:
+        return KVMemory()  # no budget: nothing is reserved, lent or charged
+
+    def corrupt_accounting(self) -> None:
+        """No byte accounting to break (the drill's step still fails)."""
 
     def stats(self) -> dict[str, float]:
         return {"kv_requests": float(len(self.stores)), "kv_host_syncs": float(self.sync.reads)}

@@ -1,9 +1,8 @@
 """Streamed prefill: a prompt's rows go into the request's host-store pages chunk by chunk, so the prefill keeps only
-the current chunk's rows on the device (not the whole prompt's, as a ``LocalKV`` does).
-
-For the hierarchy policies with a host store (``hisparse``, ``adaptive``) the manager reserves host pages for the
-whole request at admission (:meth:`KVManager.history_host_rows` names the prompt's rows in them). The prefill runs
-chunk after chunk over a :class:`StreamedPrefillKV`:
+the current chunk's rows on the device (not the whole prompt's, as a ``LocalKV`` does). For the hierarchy policies
+with a host store (``hisparse``, ``adaptive``) the manager reserves host pages for the whole request at admission
+(``history_import.history_host_rows`` names the prompt's rows in them; :meth:`KVManager.prefill_kv` builds this
+store). The prefill runs chunk after chunk over a :class:`StreamedPrefillKV`:
 
 - ``write`` puts the chunk's rows in a device buffer of ``prefill_chunk_tokens`` rows per source and its indexer
   keys straight into the request's key pages in the arena (:class:`dhisparse.kv.index_keys.RequestKeys`; with FP8
@@ -12,10 +11,11 @@ chunk after chunk over a :class:`StreamedPrefillKV`:
   (the distinct positions the chunk's queries selected, one host→device copy per layer and query tile);
 - ``end`` (after each chunk's forward) copies the chunk's rows into the host pages.
 
-The manager then imports the prompt as a history already in its host pages (``import_host_history``, the path of
-disaggregated prefill: tail and, ``adaptive``, optional pages are filled from host). Rows round-trip through the
-host in the layout's native format unchanged (same dtype), so tokens are exactly those of the ``LocalKV`` prefill;
-FP8 rows would let later chunks attend to quantized earlier rows, so ``kv_dtype='fp8'`` keeps the ``LocalKV``.
+The manager then imports the prompt as a history already in its host pages (``import_prompt`` with ``rows=None``,
+the path of disaggregated prefill: tail and, ``adaptive``, optional pages are filled from host). Rows round-trip
+through the host in the layout's native format unchanged (same dtype), so tokens are exactly those of the
+``LocalKV`` prefill; FP8 rows would let later chunks attend to quantized earlier rows, so ``kv_dtype='fp8'`` keeps
+the ``LocalKV``.
 
 With native keys nothing of the prefill's own KV scales with the prompt on the device: the keys are where decode
 reads them (charged at admission with the request's other pages). With FP8 keys the prompt's keys (``[T,
