@@ -74,7 +74,7 @@ def test_signed_headers_with_bad_layouts_are_refused_by_name(change: dict) -> No
         ContextPhaseParams.from_bytes(_signed(header), KEY)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=512))
 def test_fuzz_random_bytes_are_refused(data: bytes) -> None:
     with pytest.raises(ValueError, match="context_phase_params"):
@@ -92,7 +92,7 @@ _LAYOUT = ["num_sources", "prompt_len", "row_dim", "rows_dtype", "key_layers", "
            "feature_dim"]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.sampled_from(_FIELDS), _json), st.dictionaries(st.sampled_from(_LAYOUT), _json),
        st.booleans(), st.binary(max_size=16))
 def test_fuzz_signed_random_headers_parse_or_are_refused(header: dict, layout: dict, nest: bool, meta: bytes) -> None:

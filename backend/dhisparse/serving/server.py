@@ -87,7 +87,7 @@ class ServerConfig:
     load_models: tuple[str, ...] = ()
     http_address: str = ""
     metrics_address: str = ""
-    exit_timeout_s: int = 30
+    exit_timeout_s: int = 8  # the default shutdown grace (5 s) + 3 s: see dhisparse.serving.cli
     drain_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
