@@ -144,9 +144,9 @@ def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[d
 # --------------------------------------------------------------------------------------------- mapped host store
 def check_mapped_host(dev: torch.device) -> dict[str, Any]:
     """The host store's device view against the CPU rows, a fetch with no host read, and the gather's time."""
+    from dhisparse.host_values import HostSync
     from dhisparse.kv.copies import CopyEngine
     from dhisparse.kv.host_store import ChunkedRows
-    from dhisparse.kv.host_sync import HostSync
     from dhisparse.kv.mapped_host import host_device_pointer
 
     out: dict[str, Any] = {}

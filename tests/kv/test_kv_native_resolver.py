@@ -136,9 +136,9 @@ def test_native_step_setup_gives_the_torch_set_up(query_len) -> None:
     """``StepKV``'s set-up by the library (``native.step_setup``) against the torch set-up on the same state:
     starts, lengths, the page-table snapshot, the new rows each source's write goes to and the indexer keys'
     pages and offsets — requests of different lengths in scattered, out-of-order slots."""
+    from dhisparse.kv.residency import map_tail_pages
     from dhisparse.kv.resolution import NativeResolution, TorchResolution
     from dhisparse.kv.step import StepKV
-    from dhisparse.kv.tail import map_tail_pages
 
     m = make_manager(make_layout("glm"), "adaptive", 1 << 20, page_rows=4, max_query_len=3, native=True)
     d = KVDriver(m)

@@ -8,6 +8,7 @@ step back (``KVStore.abort_step``) and ends the requests it touched.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,7 +49,7 @@ class BatchSampling(NamedTuple):
         params = [r.params for r in batch]
         processor = LogitsProcessor.build(
             params, [(r.prompt_token_ids, r.output_token_ids) for r in batch], [r.token_counts for r in batch],
-            eos_token_ids, vocab, device) if any(p.processes_logits for p in params) else None
+            eos_token_ids, vocab, device) if any(r.processes_logits for r in batch) else None
         # Two copies per step (one per dtype), each row a view.
         temperature, top_p = to_device([[p.temperature for p in params], [p.top_p for p in params]], torch.float64,
                                        device).unbind(0)
@@ -76,15 +77,6 @@ class Sampled:
     logits: torch.Tensor | None = None  # [len(tokens), V] processed logits (params.generation_logits)
 
 
-@dataclass
-class Verified:
-    """Per request of a verification step: drafts proposed (``proposed``), accepted (``accepted``)."""
-
-    sampled: Sampled
-    proposed: int
-    accepted: int
-
-
 class Executor:
     """Runs prefill, decode and verification steps of one model over one KV store."""
 
@@ -97,6 +89,7 @@ class Executor:
         self.vocab = model.cfg.vocab_size
         self.device = model.device
         self.query_len = 1 + (spec.gamma if spec is not None else 0)
+        self.counters: collections.Counter[str] = collections.Counter()  # steps, rows, prefill and draft tokens
 
     def batch_sampling(self, batch: list[Request]) -> BatchSampling:
         return BatchSampling.of(batch, self.device, self.eos_token_ids, self.vocab)
@@ -116,6 +109,7 @@ class Executor:
         if self.spec is not None:
             req.spec_state = self.spec.start(self.spec.features(out.hidden))
         req.num_computed = req.prompt_len
+        self.counters["prefill_tokens"] += req.prompt_len
         return self.sample_one([req], out.logits.unsqueeze(0))[0]
 
     def _prefill_chunk_hook(self, start: int) -> None:
@@ -147,6 +141,8 @@ class Executor:
         self.kv.end_step(dict.fromkeys([r.request_id for r in batch], 1), report)
         for req in batch:
             req.num_computed += 1
+        self.counters["decode_steps"] += 1
+        self.counters["decode_batch_rows"] += len(batch)
         return self._sampled(batch, sampling, processed, tokens_t, tokens)
 
     def _sampled(self, batch: list[Request], sampling: BatchSampling, processed: torch.Tensor,
@@ -156,9 +152,10 @@ class Executor:
                         logits[b] if logits is not None else None) for b, token in enumerate(tokens)]
 
     # ------------------------------------------------------------------------------------------- speculate
-    def verify(self, batch: list[Request], threshold: float) -> list[Verified]:
+    def verify(self, batch: list[Request], threshold: float) -> list[Sampled]:
         """Draft → one batched verification forward over ``1 + gamma`` positions → exact acceptance. ``threshold``:
-        the confidence a DSpark draft prefix needs (the scheduler's load-aware choice)."""
+        the confidence a DSpark draft prefix needs (the scheduler's load-aware choice). Each request gets its
+        accepted drafts and the next token; its draft counters are updated."""
         spec, dev = self.spec, self.device
         assert spec is not None
         if self.faults.enabled and self.faults.fires("break_invariants"):
@@ -193,13 +190,34 @@ class Executor:
         self.kv.end_step({r.request_id: k for r, k in zip(batch, kept_l, strict=True)}, report)
         spec.advance(slots, spec.features(out.hidden), accepted + 1)
         width = draft.shape[1]
+        counters = self.counters
+        counters["verify_steps"] += 1
+        counters["verify_rows"] += len(batch)
+        counters["draft_tokens_proposed"] += sum(len_l)
+        counters["draft_tokens_accepted"] += sum(acc_l)
+        counters["draft_tokens_shortened"] += sum(spec.gamma - g for g in len_l)
         results = []
         for b, (req, n, k, nxt, g) in enumerate(zip(batch, acc_l, kept_l, next_l, len_l, strict=True)):
             req.num_computed += k
-            tokens = [*draft_flat[b * width:b * width + n], nxt]
-            results.append(Verified(Sampled(tokens, log_probs[b][: n + 1] if log_probs is not None else None,
-                                            gen_logits[b][: n + 1] if gen_logits is not None else None), g, n))
+            for name, value in (("draft_tokens_proposed", g), ("draft_tokens_accepted", n), ("verify_steps", 1)):
+                req.counters[name] = req.counters.get(name, 0.0) + value
+            results.append(Sampled([*draft_flat[b * width:b * width + n], nxt],
+                                   log_probs[b][: n + 1] if log_probs is not None else None,
+                                   gen_logits[b][: n + 1] if gen_logits is not None else None))
         return results
+
+    def stats(self) -> dict[str, float]:
+        """Step, row and token counters; with a drafter its acceptance and its per-request memory (ring and
+        verification staging, as each request is charged)."""
+        out = {k: float(v) for k, v in self.counters.items()}
+        if self.spec is not None:
+            out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
+            out["spec_staging_bytes_per_request"] = float(self.kv.memory().staging_bytes_per_request)
+            proposed, accepted = out.get("draft_tokens_proposed", 0.0), out.get("draft_tokens_accepted", 0.0)
+            out["draft_acceptance_rate"] = accepted / proposed if proposed else 0.0
+            steps = out.get("verify_rows", 0.0)
+            out["tokens_per_verify_step"] = (accepted + steps) / steps if steps else 0.0
+        return out
 
     def _faulty(self, step: KVStep, site: str) -> KVStep:
         return FaultyStepKV(step, self.faults, site, self.fault_layer) if self.faults.enabled else step

@@ -1,9 +1,8 @@
 """The engine: wires the KV store, the scheduler (who runs) and the executor (how it runs), and owns requests.
 
-Each ``step`` (1) progresses the KV store and the prompts still arriving, (2) admits waiting requests in arrival
-order while the KV store accepts them and the batch has room, bringing each one's prompt in (prefill, or a
-transfer), then (3) runs one batched decode or verification step for every running request. A request that
-cannot be admitted stays queued; requests join and leave the batch at step boundaries.
+Each ``step`` (1) progresses the KV store and the prompts still arriving, (2) admits waiting requests as the
+scheduler decides, bringing each one's prompt in (prefill, or a transfer), (3) runs one batched decode or
+verification step for every running request; requests join and leave the batch at step boundaries.
 
 Faults: an exception in a request's prefill (or its transfer) ends that request; one in the decode or
 verification step (forward, drafter proposal, KV gather) rolls the open KV step back and ends the step's
@@ -16,6 +15,7 @@ engine is *dead*: every request ends with an error, and ``step``/``add_request``
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import time
@@ -140,14 +140,15 @@ class LLMEngine:
         updates: list[RequestUpdate] = []
         try:
             self._guarded(self.kv.poll, [], updates)
-            for arrival in self.prompts.poll():
-                self._arrived(arrival, updates)
+            if self.scheduler.arriving:  # prompts still arriving (disaggregated decode): progress them
+                for arrival in self.prompts.poll():
+                    self._arrived(arrival, updates)
             for admission in self.scheduler.admit():
                 if admission.error is not None:  # a copy it completed failed (its owners end), or it is at fault
                     self._fail(admission.error, [admission.request], updates)
                 else:
-                    req = admission.request
-                    self._guarded(lambda req=req: self._start(req, updates), [req], updates)
+                    self._guarded(functools.partial(self._start, admission.request, updates), [admission.request],
+                                  updates)
             batch = self.scheduler.decode_batch()
             if batch:
                 self._guarded(lambda: self._decode(batch, updates), batch, updates)
@@ -162,7 +163,6 @@ class LLMEngine:
             self.scheduler.arriving[req.request_id] = req
             return
         self.scheduler.start_running(req)
-        self.counters["prefill_tokens"] += req.prompt_len
         self._append(req, first, updates)
 
     def _arrived(self, arrival: Arrival, updates: list[RequestUpdate]) -> None:
@@ -183,22 +183,11 @@ class LLMEngine:
 
     def _decode(self, batch: list[Request], updates: list[RequestUpdate]) -> None:
         if self.spec is None:
-            for req, sampled in zip(batch, self.executor.decode(batch), strict=True):
-                self._append(req, sampled, updates)
-            self.counters["decode_steps"] += 1
-            self.counters["decode_batch_rows"] += len(batch)
-            return
-        verified = self.executor.verify(batch, self.scheduler.verification_threshold(len(batch)))
-        self.counters["verify_steps"] += 1
-        self.counters["verify_rows"] += len(batch)
-        for req, v in zip(batch, verified, strict=True):
-            self.counters["draft_tokens_proposed"] += v.proposed
-            self.counters["draft_tokens_accepted"] += v.accepted
-            self.counters["draft_tokens_shortened"] += self.spec.gamma - v.proposed
-            for name, value in (("draft_tokens_proposed", v.proposed), ("draft_tokens_accepted", v.accepted),
-                                ("verify_steps", 1)):
-                req.counters[name] = req.counters.get(name, 0.0) + value
-            self._append(req, v.sampled, updates)
+            sampled = self.executor.decode(batch)
+        else:
+            sampled = self.executor.verify(batch, self.scheduler.verification_threshold(len(batch)))
+        for req, new in zip(batch, sampled, strict=True):
+            self._append(req, new, updates)
 
     # ---------------------------------------------------------------------------------------------- faults
     def _guarded(self, work: Callable[[], None], requests: list[Request], updates: list[RequestUpdate]) -> bool:
@@ -303,16 +292,9 @@ class LLMEngine:
         out["requests_waiting"] = float(len(self.scheduler.waiting))
         out["requests_running"] = float(len(self.scheduler.running))
         out["engine_dead"] = float(self.dead is not None)
+        out.update(self.executor.stats())
         out.update(self.prompts.stats())
         out.update(self.kv.stats())
         if self.workspace is not None:
             out["workspace_bound_bytes"] = float(self.workspace.total_bytes)
-        if self.spec is not None:
-            memory = self.kv.memory()
-            out["spec_ring_bytes_per_request"] = float(self.spec.ring_bytes_per_request)
-            out["spec_staging_bytes_per_request"] = float(memory.staging_bytes_per_request)
-            proposed = out.get("draft_tokens_proposed", 0.0)
-            out["draft_acceptance_rate"] = out.get("draft_tokens_accepted", 0.0) / proposed if proposed else 0.0
-            steps = out.get("verify_rows", 0.0)
-            out["tokens_per_verify_step"] = (out.get("draft_tokens_accepted", 0.0) + steps) / steps if steps else 0.0
         return out

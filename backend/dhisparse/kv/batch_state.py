@@ -54,6 +54,15 @@ class BatchState:
             zero page where none); ``KB = ceil(M * page_rows / keys_per_page)``.
     """
 
+    # The state tensors (made by ``_allocate`` from one description, ``_shapes``).
+    page_table: torch.Tensor
+    hot_pos: torch.Tensor
+    hot_stamp: torch.Tensor
+    hot_loc: torch.Tensor
+    host_pages: torch.Tensor
+    staging_loc: torch.Tensor
+    key_pages: torch.Tensor
+
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device, zero_page: int = -1) -> None:
         self.layout, self.config, self.device = layout, config, device
         self.zero_page = zero_page

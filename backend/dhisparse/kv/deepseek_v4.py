@@ -35,11 +35,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from dhisparse.host_values import HostSync
 from dhisparse.kv.config import KVConfig, KVLayout
 from dhisparse.kv.copies import CopyError
-from dhisparse.kv.host_sync import HostSync
 from dhisparse.kv.manager import KVManager
-from dhisparse.kv.policies import POLICIES, KVPolicy
+from dhisparse.kv.policies import DENSE, KVPolicy
 from dhisparse.kv.step import StepKV
 from dhisparse.kv.store import HostRowsTarget, KVMemory, PromptRows
 from dhisparse.model.deepseek_v4.config import CSA, DeepseekV4Config
@@ -139,7 +139,7 @@ class V4DenseKVStore:
 
     @property
     def policy(self) -> KVPolicy:
-        return POLICIES["dense"]
+        return DENSE
 
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
         return None

@@ -11,10 +11,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from dhisparse.host_values import to_device
+from dhisparse.host_values import HostSync, to_device
 from dhisparse.kv.copies import CopyError
-from dhisparse.kv.host_sync import HostSync
-from dhisparse.kv.policies import POLICIES, KVPolicy
+from dhisparse.kv.policies import DENSE, KVPolicy
 from dhisparse.kv.store import HostRowsTarget, KVMemory, PromptRows
 from dhisparse.model.config import ModelConfig
 
@@ -29,6 +28,9 @@ class _Store:
 
 class DenseStepKV:
     """The :class:`~dhisparse.kv.store.KVStep` over the dense stores of a batch."""
+
+    query_tiled_gather = False
+    device_attention = False
 
     def __init__(self, stores: list[_Store], query_len: int, device: torch.device) -> None:
         self.stores, self.query_len = stores, query_len
@@ -57,6 +59,10 @@ class DenseStepKV:
         """Nothing to check: an empty report (same interface as the hierarchy's ``StepKV``)."""
         return torch.zeros(0, dtype=torch.int64, device=self.lengths.device)
 
+    def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+               softmax_scale: float) -> None:
+        return None  # the model attends over the gathered rows
+
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         out = torch.stack([s.rows[layer][positions[b].clamp(min=0)] for b, s in enumerate(self.stores)])
         return out.masked_fill((positions < 0).unsqueeze(-1), 0)
@@ -73,7 +79,7 @@ class DenseKVStore:
 
     @property
     def policy(self) -> KVPolicy:
-        return POLICIES["dense"]
+        return DENSE
 
     def never_admissible(self, prompt_len: int, max_new_tokens: int) -> str | None:
         return None

@@ -28,7 +28,7 @@ def streams_prefill(model_cfg: object, policy: KVPolicy, stream_prefill: bool, k
     return stream_prefill and not is_deepseek_v4(model_cfg) and kv_dtype == "auto" and policy.uses_host
 
 
-def make_kv_store(model_cfg: ModelConfig | DeepseekV4Config, *, policy: str, dtype: torch.dtype,
+def make_kv_store(model_cfg: ModelConfig | DeepseekV4Config, *, policy: str | KVPolicy, dtype: torch.dtype,
                   device: torch.device, kv_config: KVConfig | None, kernels: str = "auto", kv_dtype: str = "auto",
                   index_key_dtype: str = "auto", stream_prefill: bool = True, max_query_len: int = 1,
                   max_model_len: int = 0, copy_fault_hook: Callable[[str], None] | None = None) -> KVStore:

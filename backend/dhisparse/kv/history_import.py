@@ -17,6 +17,8 @@ store, so its decode side receives the rows in a staging buffer and uses ``impor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from dhisparse.host_values import to_device
@@ -84,7 +86,7 @@ def import_host_rows(req: RequestKV, policy: KVPolicy, pool: DevicePool, host: H
                            to_device(host.rows.index_select(0, src), pool.arena.dtype, device))
 
 
-def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], layout: KVLayout, pool: DevicePool,
+def set_index_keys(req: RequestKV, index_keys: Mapping[int, torch.Tensor], layout: KVLayout, pool: DevicePool,
                    layer_index: dict[int, int], what: str = "import") -> None:
     """Check and store the prompt's indexer keys ``{layer: [prompt_len, index_key_dim]}`` (every indexer layer of
     ``layer_index``) in the request's key pages, in the layout's key format (``kv/index_keys.py``). ``what`` names

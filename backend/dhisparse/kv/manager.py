@@ -29,11 +29,11 @@ Host reads: a step reads the device once (``end_step``), or not at all when the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from dhisparse.host_values import to_device
+from dhisparse.host_values import HostSync, to_device
 from dhisparse.kernels.selection import KernelSelection, torch_selection
 from dhisparse.kv import history_import as history_host
 from dhisparse.kv import index_keys as key_store
@@ -44,16 +44,15 @@ from dhisparse.kv.copies import CopyEngine, CopyError, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
 from dhisparse.kv.host_store import HostMemoryError, HostStore  # [#29] HostMemoryError
-from dhisparse.kv.host_sync import HostSync
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.prefill_stream import StreamedPrefillKV
 from dhisparse.kv.request_state import RequestKV
+from dhisparse.kv.residency import back_up_complete_pages, map_tail_pages, unmap_rejected
 from dhisparse.kv.resolution import StepResolution, choose_resolution
 from dhisparse.kv.resolution.common import FLAG_MESSAGES, StepParts
 from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
 from dhisparse.kv.step import StepKV
 from dhisparse.kv.store import HostRowsTarget, KVMemory, PromptRows
-from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
 
 
 class KVManager:
@@ -70,6 +69,7 @@ class KVManager:
             kernels = torch_selection("default")
         self.resolution: StepResolution = choose_resolution(kernels)
         self._kernels = kernels
+        self._on_device = kernels.on_device
         self.layout, self.config = layout, config
         self.policy = config.kv_policy  # owns the policy decisions (dhisparse.kv.policies)
         self.device = torch.device(device)
@@ -99,6 +99,8 @@ class KVManager:
         # the step reads the batch state as views; False keeps the slots (the step gathers and scatters back).
         self.compact_slots = True
         self._reports: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._row_bytes = layout.row_bytes
+        self._staging = config.staging_rows(layout) > 0
         # Per layer, the layout's answers a step needs (precomputed: a step's per-layer calls stay in the step).
         key_index = {layer: i for i, layer in enumerate(layout.indexer_layers)}
         self._key_layer = tuple(key_index.get(layer, -1) for layer in range(layout.num_layers))
@@ -258,6 +260,7 @@ class KVManager:
         self._admissions += 1
         self.requests[request_id] = req
         self.counters["admissions"] += 1
+        self.counters["staging_bytes_charged"] += fp.staging_bytes
         began = self.waiting.pop(request_id, None)
         if began is not None:
             waited_s = time.monotonic() - began[0]
@@ -331,7 +334,7 @@ class KVManager:
         return key_store.RequestKeys(self.pool, self.layout, req, self.batch.layer_index)
 
     # ---------------------------------------------------------------------------------------- steps
-    def begin_step(self, request_ids: list[str], query_len: int) -> StepKV:
+    def begin_step(self, request_ids: Sequence[str], query_len: int) -> StepKV:
         """Open a step of ``query_len`` new tokens for each request (positions ``len .. len+Q-1``)."""
         if self.step is not None:
             raise RuntimeError("a step is already open; call end_step first")
@@ -347,7 +350,8 @@ class KVManager:
                 raise ValueError(f"request {req.request_id!r} would exceed prompt_len + max_new_tokens")
         try:
             for req in reqs:
-                self.copies.wait(req.import_ticket)
+                if req.import_ticket is not None:
+                    self.copies.wait(req.import_ticket)
                 map_tail_pages(req, req.length + query_len - 1, self.config.page_rows, self.copies, self.fence)
         except Exception:
             for req in reqs:  # a failed copy: no step opens, so no page past a request's length stays mapped
@@ -372,15 +376,16 @@ class KVManager:
     @kernels.setter
     def kernels(self, selection: KernelSelection) -> None:
         self._kernels = selection
+        self._on_device = selection.on_device
         self.resolution = choose_resolution(selection)
 
     def step_parts(self) -> StepParts:
         """What a step works with (built per step, so a debug mode set later applies)."""
-        layout, config, pool = self.layout, self.config, self.pool
+        layout, pool = self.layout, self.pool
         return StepParts(
             layout, pool, self.host, self.copies, self.batch, self.sync, self.device, self.policy.uses_host,
-            self.debug_checks, self._kernels.on_device, pool.page_rows, max(1, pool.keys_per_page),
-            config.staging_rows(layout) > 0, layout.row_format == "native", layout.index_key_format == "native",
+            self.debug_checks, self._on_device, pool.page_rows, max(1, pool.keys_per_page), self._staging,
+            layout.row_format == "native", layout.index_key_format == "native",
             self._key_layer, self._group_of_layer, self._staging_slot_of_layer)
 
     def _report_buffer(self, requests: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -396,7 +401,7 @@ class KVManager:
             cached[0].zero_()
         return cached
 
-    def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
+    def end_step(self, accepted: Mapping[str, int], report: Sequence[int] | None = None) -> None:
         """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest.
 
         ``report``: the values of ``step.report()`` if the caller already read them (fused into its own read);
@@ -421,12 +426,13 @@ class KVManager:
                 key_store.zero_request_keys(self.pool, req, start + keep, start + q)
                 unmap_rejected(req, start + q, self.config.page_rows)
             direct, hot, host, staged = (float(v) for v in counts[b])
+            stats, counters = req.stats, self.counters
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
                                 ("rows_staged", staged),
                                 ("resolved_rows", direct + hot + host), ("host_fetched_rows", host),
-                                ("host_fetched_bytes", host * self.layout.row_bytes)):
-                req.add_stat(name, value)
-                self.counters[name] += value
+                                ("host_fetched_bytes", host * self._row_bytes)):
+                stats[name] = stats.get(name, 0.0) + value
+                counters[name] += value
             if self.policy.uses_host:
                 n = back_up_complete_pages(req, self.pool, self.host, self.copies, self.fence,
                                            self.config.page_rows)
@@ -490,7 +496,8 @@ class KVManager:
         while budget > 0 and idle < len(order):
             req = order[i]
             i = (i + 1) % len(order)
-            if req.imported and residency.refill_one_page(req, self.pool, self.host, self.copies, self.fence):
+            if req.imported and req.may_refill and residency.refill_one_page(req, self.pool, self.host, self.copies,
+                                                                              self.fence):
                 budget -= 1
                 idle = 0
                 self.counters["optional_pages_refill_issued"] += 1
@@ -502,7 +509,8 @@ class KVManager:
 
     def _free_safe(self) -> None:
         for req in self.requests.values():
-            residency.free_retired_pages(req, self.pool, self.fence)
+            if req.retired_pending:
+                residency.free_retired_pages(req, self.pool, self.fence)
         still = []
         for req, epoch in self.releasing:
             if req.live_tickets() or not self.fence.finished(epoch):
@@ -578,11 +586,14 @@ class KVManager:
         return {f"kv_{name}": value for name, value in out.items()}
 
     def memory(self) -> KVMemory:
-        """Pool figures and what each request is charged for its speculative state (fixed by the config)."""
-        one = self.footprint(1, 1)
+        """Pool figures and what requests are charged for their speculative state: the draft ring (fixed by the
+        config) and verification staging, the mean of what each admitted request was charged (its
+        ``kv_staging_bytes``; the block's provisional rows depend a little on the request's length)."""
+        admitted = self.counters["admissions"]
+        staging = round(self.counters["staging_bytes_charged"] / admitted) if admitted else 0
         return KVMemory(pool_bytes=self.pool.pool_bytes, required_bytes=self.pool.required_bytes,
                         optional_bytes=self.pool.optional_bytes, reserve_bytes=self.pool.reserve_bytes,
-                        staging_bytes_per_request=one.staging_bytes, ring_bytes_per_request=one.ring_bytes)
+                        staging_bytes_per_request=staging, ring_bytes_per_request=self.config.draft_ring_bytes)
 
     def read(self, *tensors: torch.Tensor) -> list[list[int]]:
         """One counted device→host read (:class:`HostSync`)."""

@@ -40,6 +40,7 @@ class StreamedPrefillKV:
     the whole prompt (:attr:`keys`, empty when the keys are written in place)."""
 
     query_tiled_gather = True  # gather is a lookup with no per-layer state: attention may read it per query tile
+    device_attention = False
 
     def __init__(self, layout: KVLayout, host_rows: ChunkedRows, row_index: torch.Tensor, chunk_tokens: int,
                  dtype: torch.dtype, device: torch.device, request_keys: RequestKeys | None = None) -> None:
@@ -88,6 +89,10 @@ class StreamedPrefillKV:
         if self.request_keys is not None:
             return self.request_keys.read(layer, start, stop).unsqueeze(0)
         return self.keys[layer][start:stop].unsqueeze(0)
+
+    def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+               softmax_scale: float) -> None:
+        return None  # the model attends over the gathered rows
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         source = self.source_of_layer[layer]

@@ -24,7 +24,7 @@ later layer sharing that source resolves again instead of reading another source
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -67,6 +67,8 @@ class StepKV:
         self.resolution = resolution
         self.requests = requests
         self.query_len = query_len
+        self.query_tiled_gather = False  # resolves once per source and selection tensor
+        self.device_attention = parts.attends_on_device
         self.stamp = stamp
         batch_state = parts.batch
         # The requests' rows of the persistent batch state: a view when their slots are consecutive in step order
@@ -96,6 +98,7 @@ class StepKV:
         # writes go to (per source [B*Q]) and their indexer keys' pages and offsets (per indexer layer [B, Q]).
         self.starts = self.lengths = self.page_table = self._report
         self.write_rows: tuple[torch.Tensor, ...] = ()
+        self.slot_index = self._report  # the slots as a CPU tensor, set by a resolution that reads them so
         self.key_write: tuple[tuple[torch.Tensor, ...], torch.Tensor] = ((), self._report)
         width = max(r.footprint.num_pages for r in requests)
         resolution.setup(self, starts, width)
@@ -143,23 +146,10 @@ class StepKV:
     def staging_loc(self) -> torch.Tensor:
         return self.slot_rows("staging_loc")
 
-    def slot_tensor(self) -> torch.Tensor:
-        """The step's slots as a CPU int64 tensor (made on first use)."""
-        slots = self._slot_state.get("slots")
-        if slots is None:
-            slots = self._slot_state["slots"] = torch.tensor(self.slots, dtype=torch.int64)
-        return slots
-
     def snapshot_hot(self) -> None:
         """Keep the hot state from before the step's first change (``abort_step`` restores it)."""
         if self._hot_before is None:
             self._hot_before = (self.hot_pos.clone(), self.hot_stamp.clone())
-
-    def hot_state_changed(self) -> None:
-        """The hot state was updated in the batch state's slots directly: a gathered copy is stale."""
-        if self.scatter is not None:
-            self._slot_state.pop("hot_pos", None)
-            self._slot_state.pop("hot_stamp", None)
 
     def store_hot(self, index: int | slice | torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor) -> None:
         """New hot state of the sources ``index`` (``[B, hot_rows]`` for one source, ``[B, G, hot_rows]`` for several),
@@ -263,7 +253,7 @@ class StepKV:
         """Sparse MLA ``out_lat [B, X, H, rank]`` of ``q_lat [B, X, H, rank]`` / ``q_pe [B, X, H, rope]`` over
         the rows at ``positions`` by the resolution's device kernel, or ``None`` (the caller computes it from
         :meth:`gather`)."""
-        if not self.parts.attends_on_device:
+        if not self.device_attention:
             return None
         return self.resolution.attend(self, self.locations(layer, positions), q_lat, q_pe, softmax_scale)
 
@@ -279,7 +269,8 @@ class StepKV:
         source = m.layout.source_of_layer[layer]
         known = self.resolved.get(source)
         if known is not None and known.positions is positions:  # the same selection tensor, already checked
-            m.copies.wait_for_read(known.ticket)
+            if known.ticket is not None:
+                m.copies.wait_for_read(known.ticket)
             return known
         if positions.dim() != 3 or positions.shape[0] != len(self.requests):
             raise ValueError(f"gather(layer {layer}): positions must be [{len(self.requests)}, X, K]")
@@ -298,9 +289,15 @@ class StepKV:
                 stale = [s for s, e in self.resolved.items() if e.staged and e.staging_slot in slots and s not in todo]
                 for s in stale:
                     del self.resolved[s]
+            if not self.all_direct:  # the hot state changes: keep it from before the step's first change (abort)
+                self.snapshot_hot()
             self.resolution.resolve(self, list(todo.items()), positions)
+            if self.scatter is not None and not self.all_direct:  # an implementation may write the slots directly
+                self._slot_state.pop("hot_pos", None)
+                self._slot_state.pop("hot_stamp", None)
             entry = self.resolved[source]
-        m.copies.wait_for_read(entry.ticket)
+        if entry.ticket is not None:
+            m.copies.wait_for_read(entry.ticket)
         return entry
 
     def _lookup(self, source: int, positions: torch.Tensor) -> Resolved | None:
@@ -317,17 +314,18 @@ class StepKV:
         """What ``end_step`` reads from the device, as one int64 vector: the per-request resolution counts
         ``[B, 3]`` (flattened), the per-request staged row counts ``[B]``, then the error flags. The engine may
         read it together with its sampled tokens (one transfer) and pass the values to ``end_step(report=...)``."""
-        self.resolution.settle(self)
+        if self.deferred:
+            self.resolution.settle(self)
         return self._report
 
-    def check_report(self, values: list[int]) -> list[list[int]]:
+    def check_report(self, values: Sequence[int]) -> list[list[int]]:
         """Raise the first error flag set in ``values`` (from :meth:`report`); return per request
         ``[direct, hot, host, staged]``."""
         batch = len(self.requests)
         for flag, is_set in enumerate(values[4 * batch:]):
             if is_set:
                 raise FLAG_ERRORS[flag](FLAG_MESSAGES[flag])
-        return [values[3 * b: 3 * b + 3] + [values[3 * batch + b]] for b in range(batch)]
+        return [[*values[3 * b: 3 * b + 3], values[3 * batch + b]] for b in range(batch)]
 
     def reset_checks(self) -> None:
         """Clear the step's device-side flags and counts (``abort_step``: nothing of a rolled-back step is

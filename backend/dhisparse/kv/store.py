@@ -29,7 +29,7 @@ from dhisparse.kv.copies import CopyError
 from dhisparse.kv.host_store import ChunkedRows
 from dhisparse.kv.policies import KVPolicy
 from dhisparse.model.deepseek_v4.kv_state import V4RequestKV
-from dhisparse.model.kv_view import PrefillKV, StepKV
+from dhisparse.model.kv_view import PrefillKV
 
 __all__ = ["CopyError", "HostRowsTarget", "KVMemory", "KVStep", "KVStore", "PromptRows"]
 
@@ -37,8 +37,9 @@ PromptRows = torch.Tensor | V4RequestKV
 """What a prefill hands a store: rows ``[num_sources, T, row_dim]`` (DSA models) or a DeepSeek-V4 state."""
 
 
-class KVStep(StepKV, Protocol):
-    """The KV view of one batched forward (the model's :class:`~dhisparse.model.kv_view.StepKV`) and its report."""
+class KVStep(Protocol):
+    """What the engine sees of one batched forward: its length and report. The model reads and writes the step through
+    its own view of it (:class:`~dhisparse.model.kv_view.StepKV` for the DSA models, ``V4StepKV`` for DeepSeek-V4)."""
 
     query_len: int
 

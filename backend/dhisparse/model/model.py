@@ -13,8 +13,7 @@ from dhisparse.host_values import to_device
 from dhisparse.model.attention import IndexedMLA
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import LocalKV, PrefillKV, StepKV
-from dhisparse.model.layers import MoE, gated_mlp, rms_norm
-from dhisparse.model.rope import RotaryEmbedding
+from dhisparse.model.layers import MoE, RotaryEmbedding, gated_mlp, rms_norm
 from dhisparse.model.weights import load_state_dict, read_config
 
 

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 
 from dhisparse.serving import cli_hardening
+from dhisparse.serving.disagg_repository import DisaggregatedOptions, fill_disaggregated_repository
 from dhisparse.serving.repository import (
     TEXT_MODELS,
     RepositorySpec,
@@ -109,14 +110,12 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
-def _disaggregated_options(args: argparse.Namespace) -> object | None:
+def _disaggregated_options(args: argparse.Namespace) -> DisaggregatedOptions | None:
     """The disaggregated deployment's options (None: co-located); raises ValueError naming the flag at fault."""
     if not args.disaggregated and args.role is None:
         if args.context_url:
             raise ValueError("--context-url needs --role generation")
         return None
-    from dhisparse.disagg.repository import DisaggregatedOptions
-
     return DisaggregatedOptions(args.role or "both", args.context_url, args.nixl_agent_name,
                                 args.nixl_transfer_timeout, args.nixl_hold_timeout, address=args.address,
                                 ucx_net_devices=args.ucx_net_devices, arena_limit_bytes=args.nixl_arena_limit)
@@ -161,8 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         model_repo = args.model_repo or Path(work) / "model_repository"
         model_repo.mkdir(mode=0o700, parents=True, exist_ok=True)
         if disaggregated is not None:
-            from dhisparse.disagg.repository import fill_disaggregated_repository
-
             models = fill_disaggregated_repository(spec, model_repo, args.templates, disaggregated)
         else:
             models = fill_model_repository(spec, model_repo, args.templates)

@@ -14,6 +14,7 @@ import torch
 from dhisparse.errors import ConfigError
 from dhisparse.host_values import to_device
 from dhisparse.model.config import ModelConfig
+from dhisparse.model.deepseek_v4.config import DeepseekV4Config
 from dhisparse.sampling.sampler import sample_from, uniform
 from dhisparse.spec.drafters import DFlash2Drafter, DSparkDrafter, confident_prefix_length, load_drafter
 from dhisparse.spec.ring import DraftRing
@@ -25,7 +26,7 @@ class Speculator:
         drafter_dir: Path,
         gamma: int,
         max_slots: int,
-        target: ModelConfig,
+        target: ModelConfig | DeepseekV4Config,
         device: torch.device,
     ) -> None:
         if not drafter_dir.is_dir():

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from dhisparse.host_values import HostSync
 from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kv.batch_state import BatchState
 from dhisparse.kv.config import KVLayout
 from dhisparse.kv.copies import CopyEngine, CopyTicket
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HostStore
-from dhisparse.kv.host_sync import HostSync
 
 if TYPE_CHECKING:
     from dhisparse.kv.step import StepKV

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dhisparse.kernels.resolver import HotCacheOverflowError
+from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, Resolved
 from dhisparse.kv.resolution.reference import TorchResolution
 
@@ -56,7 +57,6 @@ class CudaResolution:
         if step.all_direct or step.parts.staging:
             self.reference.resolve(step, todo, positions)
             return
-        step.snapshot_hot()
         host_pages = step.host_pages
         device_pages = None  # the host page ids on the device, moved once per step
         if host_pages is not None:
@@ -88,10 +88,10 @@ class CudaResolution:
         src_rows = torch.where(valid, page * m.page_rows + safe % m.page_rows, torch.full_like(safe, -1))
         status = out["summary"][:, 0].contiguous()
         hot_rows = step.hot_pos.shape[2]
-        ticket = None
+        issued: list[CopyTicket] = []
 
         def check_status() -> None:
-            watched = ticket.watched
+            watched = issued[0].watched
             if watched is not None and bool((watched != 0).any()):
                 row = int(torch.nonzero(watched)[0])
                 raise HotCacheOverflowError(
@@ -101,6 +101,7 @@ class CudaResolution:
         host, src_rows, launch = host_source(self.kernels.copy_rows, m.host.rows, src_rows, flat.device)
         ticket = m.copies.issue_gather("fetch", m.pool.arena, out["copy_location"], host, src_rows, launch,
                                        on_done=check_status, watch=status)
+        issued.append(ticket)
         step.tickets.append(ticket)
         return out["locations"], ticket
 
@@ -112,7 +113,7 @@ class CudaResolution:
         if not self.kernels.supports_attention(q_lat.dtype, arena.dtype):
             return None
         dtype = arena.dtype
-        out = self.kernels.sparse_mla(q_lat.to(dtype), q_pe.to(dtype), arena, locations, softmax_scale)
+        out: torch.Tensor = self.kernels.sparse_mla(q_lat.to(dtype), q_pe.to(dtype), arena, locations, softmax_scale)
         return out.to(q_lat.dtype)
 
 

@@ -52,6 +52,7 @@ class NativeResolution:
         at += sources * bq
         step.key_write = (out[at: at + indexers * bq].view(indexers, batch, query_len).unbind(0),
                           out[at + indexers * bq:].view(batch, query_len))
+        step.slot_index = torch.tensor(step.slots, dtype=torch.int64)  # the slots the library reads, by request
         if flags:
             step.flag(FLAG_UNMAPPED, torch.ones((), dtype=torch.bool))
 
@@ -66,16 +67,13 @@ class NativeResolution:
         direct = step.all_direct
         staging = None
         if not direct:
-            step.snapshot_hot()
-            if state.staging_loc.shape[2]:
+            if m.staging:
                 staging = (state.staging_loc, [slot for _, slot in todo], step.staged)
         out = native.resolve_step(self.lib, positions.reshape(len(step.requests), -1).contiguous(), step.lengths,
-                                  sources, step.slot_tensor(), step.page_table, state.hot_pos, state.hot_stamp,
+                                  sources, step.slot_index, step.page_table, state.hot_pos, state.hot_stamp,
                                   state.hot_loc, state.host_pages if m.uses_host else None, step.counts, step.stamp,
                                   m.page_rows, direct_only=direct, staging=staging, checked=self._checked)
         step.resolver_calls += len(todo)
-        if not direct:
-            step.hot_state_changed()
         if out.flags & native.STEP_NO_HOST_COPY:
             raise RuntimeError("a missed row has no host copy (its page was never backed up): the KV hierarchy's "
                                "residency invariant is broken")
@@ -90,7 +88,7 @@ class NativeResolution:
             step.resolved[source] = Resolved(positions, locations, ticket, slot, staged)
 
     def settle(self, step: StepKV) -> None:
-        return None  # nothing deferred: every call checks and counts in the library
+        return None  # nothing is deferred: every call checks and counts in the library
 
     def attend(self, step: StepKV, locations: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
                softmax_scale: float) -> None:

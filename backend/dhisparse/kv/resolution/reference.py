@@ -24,6 +24,7 @@ import torch
 
 from dhisparse.host_values import to_device
 from dhisparse.kernels.resolver import resolve
+from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, Resolved
 
 if TYPE_CHECKING:
@@ -68,7 +69,6 @@ class TorchResolution:
             if m.debug_checks:
                 self.settle(step)
             return
-        step.snapshot_hot()
         if m.staging or len(todo) == 1 or m.debug_checks:
             for source, slot in todo:
                 self._resolve_source(step, source, slot, positions)
@@ -116,7 +116,7 @@ class TorchResolution:
         step.counts += res.counts.sum(0)
         assert res.overflow is not None and res.fetch_mask is not None and res.fetch_position is not None
         step.flag(FLAG_OVERFLOW, res.overflow.any())
-        tickets: list = [None] * groups
+        tickets: list[CopyTicket | None] = [None] * groups
         host_pages = step.host_pages
         if host_pages is not None:  # fixed-shape copy lists, one copy per source
             assert res.fetch_location is not None
