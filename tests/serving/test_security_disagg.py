@@ -34,7 +34,7 @@ def deployment(tiny_engine, tmp_path_factory):
     """One server with every role; yields ``(ServedEngine, its internal key file)``."""
     from conftest import POOL_BYTES, ServedEngine, start_triton
 
-    from dhisparse.disagg.repository import fill_disaggregated_repository
+    from dhisparse.serving.disagg_repository import fill_disaggregated_repository
     from dhisparse.serving.repository import RepositorySpec
 
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES}
