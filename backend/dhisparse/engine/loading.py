@@ -31,5 +31,6 @@ def load_engine_parts(engine_dir: str | Path, max_slots: int | None = None, **ru
     speculator = None
     if config.speculative:
         speculator = Speculator(engine_dir / "drafters" / config.speculative, config.num_draft_tokens,
-                                max_slots or config.max_batch_size, model_cfg, device)
+                                max_slots or config.max_batch_size, model_cfg, device, target_model=model,
+                                max_context=config.max_model_len)
     return config, model, speculator

@@ -41,7 +41,7 @@ _ENGINE_FLAGS = (
     ("page_rows", int, "rows per KV page"),
     ("reserve_bytes", int, "admission reserve in bytes"),
     ("max_batch_size", int, "engine batch size (running requests)"),
-    ("speculative", str, "speculative decoding: dflash2 or dspark"),
+    ("speculative", str, "speculative decoding: dflash, dflash2 or dspark (a packed drafter family)"),
     ("num_draft_tokens", int, "draft tokens per speculation step"),
 )
 
