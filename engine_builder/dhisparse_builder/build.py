@@ -59,6 +59,8 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
     output = opts.output
     if output.exists() and not opts.force:
         raise CheckpointError(f"{output} already exists; pass --force to overwrite it")
+    if output.exists():
+        refuse_to_replace(output)
     runtime = EngineConfig().with_overrides(**opts.runtime)  # validates the options before the long work
     cfg = read_any_config(opts.checkpoint)
     weights = load_any_state_dict(opts.checkpoint, cfg, runtime.torch_dtype,
@@ -87,4 +89,21 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
         raise
     return output
 
+
+ENGINE_FILES = ("config.json", "runtime.json", "model.safetensors")  # what every engine directory holds
+
+
+def refuse_to_replace(output: Path) -> None:
+    """``--force`` replaces an engine directory only: anything else (a file, a link, a directory without an engine's
+    files, or with anything but an engine's entries) is refused with CheckpointError, and left untouched."""
+    if output.is_symlink() or not output.is_dir():
+        raise CheckpointError(f"--force replaces only an engine directory; {output} is not a directory")
+    missing = [name for name in ENGINE_FILES if not (output / name).is_file()]
+    if missing:
+        raise CheckpointError(f"--force replaces only an engine directory; {output} has no {missing[0]} (choose "
+                              "another --output, or remove it yourself)")
+    known = {*ENGINE_FILES, *TOKENIZER_FILES, "drafters"}
+    foreign = sorted(p.name for p in output.iterdir() if p.name not in known)
+    if foreign:
+        raise CheckpointError(f"--force replaces only an engine directory; {output} also holds {foreign[0]!r}")
 
