@@ -90,12 +90,18 @@ def test_orchestrator_streams_the_first_token_then_the_generation_tokens(disaggr
         assert [t for c in chunks for t in c] == want
 
 
-def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected):
+def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected, tokenizer):
     _, _, texts = expected
+    _, tokens, _ = expected
+    token_bytes = TokenBytes(tokenizer)
     client = disaggregated.client("ensemble")
-    for prompt, text in zip(PROMPTS, texts, strict=True):
-        assert b"".join(client.stream(prompt, GenerationOptions(max_tokens=MAX_TOKENS))) == text
-    assert client.generate(PROMPTS[0], GenerationOptions(max_tokens=MAX_TOKENS)) == texts[0]
+    for prompt, want in zip(PROMPTS, tokens, strict=True):
+        # The orchestrator streams one token per response (no speculation here) and does not hold tokens back for
+        # whole characters: postprocessing decodes each chunk on its own, a split character becomes U+FFFD.
+        per_token = b"".join(token_bytes.decode([t]).decode("utf-8", "replace").encode() for t in want)
+        assert b"".join(client.stream(prompt, GenerationOptions(max_tokens=MAX_TOKENS))) == per_token
+    whole = texts[0].decode("utf-8", "replace").encode()
+    assert client.generate(PROMPTS[0], GenerationOptions(max_tokens=MAX_TOKENS)) == whole
     metrics = disaggregated.client().metrics()
     assert metrics["transfers"] >= len(PROMPTS) + 1 and metrics["transfer_bytes"] > 0
     assert metrics.get("transfers_failed", 0.0) == 0.0
@@ -259,3 +265,40 @@ def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer)
     assert after["regions_cancelled"] - before["regions_cancelled"] == BLOCKERS + 1
     assert wait_idle(generation_server.client()) == IDLE
     assert generation_server.client().metrics().get("transfers", 0.0) == generation_before.get("transfers", 0.0)
+
+
+MISSING = [  # (server: 0 generation / 1 context, model, inputs, what the error must name)
+    (0, "ensemble", {"max_tokens": [[4]], "stream": [[True]]}, "text_input is missing"),
+    (0, "ensemble", {"text_input": [["To be"]], "stream": [[True]], "temperature": [[0.5]]}, "max_tokens is missing"),
+    (0, "disaggregated_serving_bls", {"request_output_len": [[4]], "streaming": [[True]]}, "input_ids is missing"),
+    (0, "disaggregated_serving_bls", {"input_ids": [[5, 6]], "streaming": [[True]], "temperature": [[0.5]]},
+     "request_output_len"),
+    (0, "generation", {"input_ids": [[5, 6]], "request_output_len": [[4]], "streaming": [[True]],
+                       "request_type": [["generation_only"]]}, "context_phase_params is missing"),
+    (1, "context", {"request_output_len": [[4]], "request_type": [["context_only"]], "temperature": [[0.5]]},
+     "input_ids is missing"),
+    (1, "context", {"input_ids": [[5, 6]], "request_type": [["context_only"]], "temperature": [[0.5]]},
+     "request_output_len"),
+]
+
+
+@pytest.mark.parametrize(("server", "model", "values", "message"), MISSING, ids=[f"{m[1]}-{m[3]}" for m in MISSING])
+def test_missing_required_input_on_a_stream_is_named(deployment, server, model, values, message):
+    """Over a gRPC stream with a request id (what Triton 2.51 answered with silence for the ensemble)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    dtypes = {"input_ids": np.int32, "request_output_len": np.int32, "max_tokens": np.int32, "streaming": bool,
+              "stream": bool, "temperature": np.float32, "text_input": object, "request_type": object}
+    inputs = []
+    for name, value in values.items():
+        array = np.array(value, dtype=dtypes[name])
+        if array.dtype == object:
+            array = np.vectorize(lambda v: v.encode(), otypes=[object])(array)
+        tensor = grpcclient.InferInput(name, list(array.shape), {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL",
+                                                                 np.dtype(np.float32): "FP32",
+                                                                 np.dtype(object): "BYTES"}[array.dtype])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    with pytest.raises(GenerationError, match=message):
+        list(deployment[server].client().stream_results(model, inputs, request_id="missing-input"))

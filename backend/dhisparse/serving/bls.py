@@ -36,9 +36,10 @@ ENSEMBLE_INPUTS = (
     "exclude_input_in_output", "end_id", "pad_id", "top_k", "top_p", "temperature", "length_penalty",
     "repetition_penalty", "min_length", "min_tokens", "presence_penalty", "frequency_penalty", "random_seed", "seed",
     "return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics",
-    "return_num_input_tokens", "return_num_output_tokens", "beam_width", "stream", "prompt_embedding_table",
-    "prompt_table_extra_id", "prompt_vocab_size", "embedding_bias_words", "embedding_bias_weights", "lora_task_id",
-    "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
+    "return_num_input_tokens", "return_num_output_tokens", "return_finish_reason", "beam_width", "stream",
+    "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size", "embedding_bias_words",
+    "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config", "guided_decoding_guide_type",
+    "guided_decoding_guide",
 )
 # Ensemble input -> preprocessing input.
 _PREPROCESSED = {
@@ -56,7 +57,7 @@ _PASS_THROUGH = {
 # The dhisparse model's outputs (llm_outputs.py); output_ids / sequence_length become text_output here.
 LLM_OUTPUTS = (
     "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "context_logits", "generation_logits",
-    "batch_index", "sequence_index", *PERF_METRIC_OUTPUTS, "num_input_tokens", "num_output_tokens",
+    "batch_index", "sequence_index", *PERF_METRIC_OUTPUTS, "num_input_tokens", "num_output_tokens", "finish_reason",
 )
 
 
@@ -244,7 +245,8 @@ class _GuardedSender:
 
 
 def _text(text: str) -> np.ndarray:
-    return np.array([[text.encode()]], dtype=object)
+    """`text_output` as tensorrtllm_backend's BLS returns it: one string per sequence, 1-D."""
+    return np.array([text.encode()], dtype=object)
 
 
 def _index(value: int) -> np.ndarray:

@@ -21,11 +21,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dhisparse.engine.loop import EngineLoop
+from dhisparse.errors import InvalidRequestError
 from dhisparse.serving.engine_metrics import EngineMetrics
 from dhisparse.serving.llm_outputs import ResponseBuilder
 from dhisparse.serving.llm_request import LLMRequest
 from dhisparse.serving.response_group import ResponseGroup
 from dhisparse.serving.stop_sequences import StopSequenceMatcher
+from dhisparse.serving.tokenization import TokenBytes
 from dhisparse.serving.triton_tensors import send
 
 
@@ -37,11 +39,15 @@ class LLMService:
         loop: the engine loop (owned: `close` closes it).
         metrics: where to publish statistics, or None.
         interval_s: supervisor period (cancellation latency and metrics freshness), seconds.
+        on_engine_dead: called once (from the supervisor) when the engine stopped after a fault.
+        token_bytes: the engine tokenizer's per-token bytes, for `stream_whole_characters` (None: such requests
+            are refused).
     """
 
     def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25,
-                 on_engine_dead: Callable[[str], None] | None = None) -> None:
+                 on_engine_dead: Callable[[str], None] | None = None, token_bytes: TokenBytes | None = None) -> None:
         self._pb = pb
+        self._token_bytes = token_bytes  # the engine's tokenizer, for stream_whole_characters (None: refused)
         self._on_engine_dead = on_engine_dead
         self._dead_reported = False
         self.loop = loop
@@ -85,6 +91,8 @@ class LLMService:
         sender; its last response carries the final flag (see `ResponseGroup`). Every request is validated
         first: InvalidRequestError means nothing was started."""
         for request in requests:
+            if request.whole_characters and request.streaming and self._token_bytes is None:
+                raise InvalidRequestError("stream_whole_characters needs the engine's tokenizer (tokenizer.json)")
             for index in range(request.num_return_sequences):
                 self.loop.engine.validate(request.prompt_token_ids, request.params.for_sequence(index))
         jobs = [(r, i) for r in requests for i in range(r.num_return_sequences)]
@@ -115,7 +123,8 @@ class LLMService:
     def _respond(self, request_id: str, request: LLMRequest, stream: Iterable, sender: Any,
                  sequence_index: int = 0) -> None:
         matcher = StopSequenceMatcher(request.stop_sequences, request.params.min_tokens)
-        builder = ResponseBuilder(request, sequence_index)
+        whole = self._token_bytes.whole_character_prefix if self._token_bytes is not None else None
+        builder = ResponseBuilder(request, sequence_index, self.loop.engine.cfg.page_rows, whole)
         done = False  # the client has its final response (or is gone)
         sent_any = False  # a streamed response went out already
         try:
@@ -135,9 +144,10 @@ class LLMService:
                     self._send(sender, None, final=True)
                     done = True
                     continue
-                tokens = builder.add(update, keep)
-                if request.streaming and (tokens or finished):
-                    self._send(sender, builder.chunk() if tokens else None, final=finished)
+                builder.add(update, keep)
+                released = builder.release(final=finished) if request.streaming else 0
+                if request.streaming and (released or finished):
+                    self._send(sender, builder.chunk() if released else None, final=finished)
                     done, sent_any = finished, True
                 elif finished:
                     self._send(sender, builder.whole(), final=True)

@@ -20,7 +20,7 @@ class TritonPythonModel:
             sys.path.insert(0, parameters["python_path"])
         from dhisparse import LLM
         from dhisparse.engine.loop import EngineLoop
-        from dhisparse.serving import llm_request, repository, triton_tensors
+        from dhisparse.serving import llm_request, repository, tokenization, triton_tensors
         from dhisparse.serving.engine_metrics import EngineMetrics
         from dhisparse.serving.llm_service import LLMService
 
@@ -34,7 +34,9 @@ class TritonPythonModel:
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
         self.name = args["model_name"]
-        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s, on_engine_dead=self._engine_dead)
+        token_bytes = tokenization.engine_token_bytes(parameters["engine_dir"])  # None without tokenizer.json
+        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s, on_engine_dead=self._engine_dead,
+                                  token_bytes=token_bytes)
         self.exclude_input_default = parameters.get("exclude_input_in_output", "true").lower() == "true"
 
     def _engine_dead(self, reason: str) -> None:
