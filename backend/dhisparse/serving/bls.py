@@ -15,7 +15,6 @@ Tokenisation runs in-process with the same functions as the `preprocessing` mode
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import threading
 import uuid
@@ -27,7 +26,7 @@ from tokenizers import Tokenizer
 from dhisparse.errors import InvalidRequestError
 from dhisparse.serving.llm_outputs import PERF_METRIC_OUTPUTS
 from dhisparse.serving.text_processing import preprocess
-from dhisparse.serving.tokenization import TokenBytes
+from dhisparse.serving.tokenization import TextDecoder, TokenBytes
 from dhisparse.serving.triton_tensors import error_response, request_arrays, response
 
 # The ensemble's inputs (model_repository/ensemble/config.pbtxt), all of them.
@@ -75,22 +74,6 @@ def llm_inputs(tokenizer: Tokenizer, inputs: dict[str, np.ndarray], add_special_
         if source in inputs:
             out[target] = inputs[source]
     return out
-
-
-class TextDecoder:
-    """Token ids -> text in whole characters, across chunks (holds back an incomplete UTF-8 tail)."""
-
-    def __init__(self, token_bytes: TokenBytes) -> None:
-        self._token_bytes = token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, token_ids: list[int] | np.ndarray) -> str:
-        """Text completed by these tokens (may be empty)."""
-        return self._utf8.decode(self._token_bytes.decode(token_ids))
-
-    def flush(self) -> str:
-        """Whatever is held back (a truncated character becomes U+FFFD)."""
-        return self._utf8.decode(b"", final=True)
 
 
 class BLSService:

@@ -15,6 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from dhisparse.serving.openai import server as openai_server
 from dhisparse.serving.repository import RepositorySpec, fill_model_repository, parse_override
 from dhisparse.serving.server import ServerConfig, ServerStartError, TritonServer, free_ports
 from dhisparse.serving.triton_install import TritonInstall, TritonNotInstalledError, prepare_backend_dir
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
     g.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other runtime option (value parsed as JSON when possible); repeatable")
+    openai_server.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -120,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                               exclude_input_in_output=args.exclude_input_in_output == "true")
         if not (spec.engine_dir / "config.json").is_file():
             raise ValueError(f"{spec.engine_dir} is not an engine directory (no config.json)")
+        if args.openai_port is not None and args.role == "context":
+            raise ValueError("--openai-port needs the generation side (--role both or generation), not --role context")
+        http, grpc, metrics = _ports(args, args.address)
+        openai = openai_server.from_arguments(args, spec.engine_dir, f"{args.address}:{grpc}", spec.engine_overrides)
     except (TritonNotInstalledError, ValueError, TypeError) as error:
         print(f"dhisparse-serve: error: {error}", file=sys.stderr)
         return 2
@@ -133,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             models = fill_model_repository(spec, model_repo, args.templates)
         backend_dir = prepare_backend_dir(install, Path(work) / "backends")
-        http, grpc, metrics = _ports(args, args.address)
         config = ServerConfig(model_repo, backend_dir, http, grpc, metrics, args.address, args.log_verbose)
         server = TritonServer(config, install, args.log_file)
         stop = threading.Event()
@@ -141,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
         try:
             server.start(timeout_s=args.startup_timeout)
-        except ServerStartError as error:
+            if openai is not None:  # beside Triton, calling its gRPC endpoint (dhisparse.serving.openai)
+                openai.start()
+                print(f"dhisparse-serve: openai={openai.url} model={openai.serving.model_name}", flush=True)
+        except (ServerStartError, RuntimeError) as error:
+            server.stop()
             print(f"dhisparse-serve: error: {error}", file=sys.stderr)
             return 1
         print(f"dhisparse-serve: ready models={','.join(models)} http={config.http_url} grpc={config.grpc_url} "
@@ -151,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         watched = next((m for m in (LLM_MODEL, "generation") if m in models), None)
         while not stop.wait(0.5):
             if server.poll() is not None:  # died on its own
+                openai_server.stop(openai)
                 code = server.stop()
                 print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)
                 return 1
@@ -160,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                 # too (Triton 2.51 counts only loaded models), and exit non-zero for the supervisor to restart us.
                 print(f"dhisparse-serve: error: model {watched!r} is no longer ready (its engine stopped after "
                       "a fault; see the server log); stopping tritonserver", file=sys.stderr, flush=True)
+                openai_server.stop(openai)
                 server.stop()
                 return 3
+        openai_server.stop(openai)
         code = server.stop()
         print(f"dhisparse-serve: stopped (tritonserver exit code {code})", flush=True)
         return 0

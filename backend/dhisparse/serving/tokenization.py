@@ -146,6 +146,22 @@ class TokenBytes:
         return whole
 
 
+class TextDecoder:
+    """Token ids -> text in whole characters, across chunks (holds back an incomplete UTF-8 tail)."""
+
+    def __init__(self, token_bytes: TokenBytes) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: list[int] | np.ndarray) -> str:
+        """Text completed by these tokens (may be empty)."""
+        return self._utf8.decode(self._token_bytes.decode(token_ids))
+
+    def flush(self) -> str:
+        """Whatever is held back (a truncated character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
+
+
 def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`; raise InvalidRequestError for an empty prompt."""
     if not text:
