@@ -302,3 +302,58 @@ def test_missing_required_input_on_a_stream_is_named(deployment, server, model, 
         inputs.append(tensor)
     with pytest.raises(GenerationError, match=message):
         list(deployment[server].client().stream_results(model, inputs, request_id="missing-input"))
+
+
+@pytest.fixture(scope="module")
+def openai_api(disaggregated):
+    """The OpenAI front end `dhisparse-serve --openai-port` runs, here beside the generation server."""
+    import openai
+
+    from dhisparse.serving.openai.server import OpenAIOptions, OpenAIServer
+
+    front = OpenAIServer(disaggregated.engine_dir, disaggregated.grpc_url, OpenAIOptions(0, model_name="tiny"),
+                         disaggregated.overrides)
+    front.start()
+    try:
+        yield openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0, timeout=120)
+    finally:
+        front.stop()
+
+
+def test_openai_api_over_the_orchestrator(openai_api, expected):
+    """Same answers as co-located serving; what the orchestrator does not return (log-probs) is refused by name."""
+    import openai
+
+    _, tokens, texts = expected
+    for prompt, want, text in zip(PROMPTS, tokens, texts, strict=True):
+        reply = openai_api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].text == text.decode("utf-8", "replace")
+        assert reply.choices[0].finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
+        assert reply.usage.completion_tokens == len(want)
+        streamed = openai_api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="not available in this deployment") as refused:
+        openai_api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, logprobs=1)
+    assert refused.value.body["param"] == "logprobs"
+
+
+def test_openai_disconnect_frees_the_generation_side(openai_api, disaggregated, prompt_runs_long):
+    from conftest import LONG, PROMPT
+    from idle import IDLE, settle, wait_idle
+
+    client = disaggregated.client()
+    settle(client)
+    before = client.metrics()
+    stream = openai_api.completions.create(model="tiny", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True)
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    deadline = time.monotonic() + 20
+    while client.metrics().get("kv_requests_running", 0.0) < 1.0:  # the generation side really holds memory
+        assert time.monotonic() < deadline, "the generation request never ran"
+        time.sleep(0.05)
+    stream.close()
+    assert wait_idle(client) == IDLE
+    after = client.metrics()
+    assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
+    assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG

@@ -136,3 +136,18 @@ def test_unreachable_deployment_is_503_through_the_app(tiny_engine):
         with pytest.raises(openai.NotFoundError):
             api.completions.create(model="other", prompt="To be")
         assert [m.id for m in api.models.list().data] == ["tiny"]
+
+
+def test_builder_writes_the_chat_template(tiny_engine, tmp_path):
+    from dhisparse_builder.build import BuildOptions, build_engine
+    from dhisparse_builder.cli import main
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    engine = build_engine(BuildOptions(tiny_engine.parent / "checkpoint", tmp_path / "engine", {"dtype": "float32"},
+                                       chat_template=template), progress=lambda done, total: None)
+    rendered = ChatTemplate.load(engine).render([{"role": "user", "content": "hi"}])
+    assert rendered == "user: hi\nassistant:"
+    assert main(["--checkpoint", str(tiny_engine.parent / "checkpoint"), "--output", str(tmp_path / "other"),
+                 "--chat-template", str(tmp_path / "missing.jinja")]) == 2  # a clear error, nothing written
+    assert not (tmp_path / "other").exists()

@@ -15,6 +15,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+import anyio
 import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -62,36 +63,40 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return None
+        return task.result() if task.done() else None
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
+        with anyio.CancelScope(shield=True):  # the cleanup must run even when this handler is being cancelled
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
 
 async def _events(request: Request, events: AsyncIterator[str]) -> AsyncIterator[str]:
     """`events`, ended (and their sequences cancelled) as soon as the client disconnects, even while no event is
-    due (a sequence waiting for admission or in prefill)."""
+    due (a sequence waiting for admission or in prefill). Starlette also cancels the response when it sees the
+    disconnect; either way the cleanup below runs shielded, so the sequences are cancelled."""
     watcher = asyncio.ensure_future(_disconnected(request))
+    step: asyncio.Future | None = None
     try:
         while True:
             step = asyncio.ensure_future(events.__anext__())
             await asyncio.wait({step, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():  # disconnected: the cancellation runs the generator's cleanup
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
-                return
+            if not step.done():
+                return  # disconnected
             try:
-                yield step.result()
+                item = step.result()
             except StopAsyncIteration:
                 return
+            step = None
+            yield item
     finally:
         watcher.cancel()
-        await events.aclose()
+        with anyio.CancelScope(shield=True):
+            if step is not None and not step.done():  # the generator is running: cancelling it runs its cleanup
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+            await events.aclose()
 
 
 def create_app(serving: OpenAIServing) -> FastAPI:
