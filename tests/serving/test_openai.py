@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from pathlib import Path
 
 import httpx2
 import numpy as np
@@ -301,23 +302,54 @@ def test_disconnected_client_frees_every_tier(server, api, triton, prompt_runs_l
     assert api.completions.create(model=MODEL, prompt="To be", max_tokens=2).choices
 
 
-def test_dead_engine_is_503(tiny_engine, prompt_runs_long, tmp_path):
-    """Chat without a chat template is a 400 that says what to do. An engine that stops after a fault it cannot
-    recover from: the request whose step failed gets a 500 naming
-    the fault, every request after it a 503 (the official client raises InternalServerError for both) until
-    dhisparse-serve, seeing the engine's model unloaded, stops and exits with code 3."""
+@pytest.fixture(scope="module")
+def speculative_engine(tiny_engine, tmp_path_factory) -> Path:
+    """The tiny engine packed with a random-init DFlash2 drafter (its acceptance is low, but it proposes)."""
+    import torch
+
+    from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, save_drafter
+    from dhisparse_builder.build import BuildOptions, build_engine
+
+    root = tmp_path_factory.mktemp("speculative")
+    torch.manual_seed(0)
+    save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(0, 1), window=16, vocab_size=320,
+                                              target_hidden_size=64, hidden_size=32, num_layers=1, num_heads=2,
+                                              intermediate_size=64, max_block=8)), root / "dflash2")
+    return build_engine(BuildOptions(tiny_engine.parent / "checkpoint", root / "engine", {"dtype": "float32"},
+                                     drafters=(root / "dflash2",)), progress=lambda done, total: None)
+
+
+def test_speculative_usage_then_dead_engine_is_503(speculative_engine, offline_llm, tokenizer, tmp_path):
+    """With a drafter: greedy text still equals the offline engine's without one, and usage carries the drafts
+    (accepted + rejected = proposed). Chat without a chat template is a 400 that says what to do. An engine that
+    stops after a fault it cannot recover from: the request whose step failed gets a 500 naming the fault, every
+    request after it a 503 (the official client raises InternalServerError for both) until dhisparse-serve, seeing
+    the engine's model unloaded, stops and exits with code 3."""
     from dhisparse_client.serve_process import ServeProcess
 
-    serve = ServeProcess(tiny_engine, {"kv_policy": KV_POLICY, "pool_bytes": POOL_BYTES, "page_rows": 16,
-                                       "fault_injection": "break_invariants@4"}, log_path=tmp_path / "server.log",
-                         extra_args=["--openai-port", "0", "--served-model-name", MODEL])
+    serve = ServeProcess(speculative_engine, {"kv_policy": KV_POLICY, "pool_bytes": 4 * POOL_BYTES, "page_rows": 16,
+                                              "speculative": "dflash2", "num_draft_tokens": 3,
+                                              "fault_injection": "break_invariants@40"},
+                         log_path=tmp_path / "server.log",
+                         extra_args=["--openai-port", "0", "--served-model-name", MODEL,
+                                     "--metrics-interval-ms", "100"])
     endpoints = serve.start()
     try:
         api = openai.OpenAI(base_url=endpoints.openai_url, api_key="unused", max_retries=0, timeout=120)
+        ids = tokenizer.encode(PROMPTS[0]).ids
+        reference = _offline(offline_llm, ids, max_tokens=MAX_TOKENS)
+        reply = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].text == _text(tokenizer, reference.token_ids)  # speculation changes no token
+        details = reply.usage.completion_tokens_details
+        metrics = settle(DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url))
+        metrics = DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url).metrics()
+        proposed = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+        assert proposed > 0 and proposed == metrics["draft_tokens_proposed"]  # this request's, as the engine counts
+        assert details.accepted_prediction_tokens == metrics["draft_tokens_accepted"]
         with pytest.raises(openai.BadRequestError, match="no chat template"):  # the tiny engine has none
             api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
         with pytest.raises(openai.InternalServerError) as caught:
-            api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+            api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0)
         assert caught.value.status_code == 500 and "injected fault at break_invariants" in caught.value.message
         statuses = []
         for _ in range(20):  # until dhisparse-serve has stopped (it polls the model's readiness every 0.5 s)
