@@ -77,7 +77,7 @@ def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]
         resolver_case,
         run_self_check,
     )
-    from dhisparse.kv.resolver import resolve
+    from dhisparse.kernels.resolver import resolve
 
     out: dict[str, Any] = {}
     results = [r for seed in range(seeds) for r in run_self_check(kernels, dev, seed)]
@@ -114,7 +114,7 @@ def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]
 
 
 def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[dict[str, Any]]:
-    from dhisparse import native
+    from dhisparse.kernels import native
     from dhisparse.kernels.self_check import resolver_case
 
     g = torch.Generator().manual_seed(1)

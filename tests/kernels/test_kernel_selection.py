@@ -22,7 +22,7 @@ from dhisparse.kernels.self_check import (
     run_self_check,
 )
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kv.resolver import Resolution
+from dhisparse.kernels.resolver import Resolution
 
 CPU = torch.device("cpu")
 

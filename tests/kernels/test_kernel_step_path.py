@@ -19,7 +19,7 @@ from dhisparse.errors import ConfigError, RequestFailedError
 from dhisparse.kernels import selection
 from dhisparse.kernels.selection import KernelSelection
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kv.resolver import HotCacheOverflowError
+from dhisparse.kernels.resolver import HotCacheOverflowError
 
 
 class DevicePathStandIn(TorchKernels):

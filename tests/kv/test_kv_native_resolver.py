@@ -13,10 +13,11 @@ import torch
 from kv_driver import KVDriver, make_layout, make_manager
 from tiny_models import build_spec_engine, make_checkpoint, random_prompts
 
-from dhisparse import LLM, SamplingParams, native
+from dhisparse import LLM, SamplingParams
+from dhisparse.kernels import native
 from dhisparse.kernels.selection import check_native_resolver, select_kernels
 from dhisparse.kernels.self_check import CheckResult
-from dhisparse.kv.resolver import HotCacheOverflowError
+from dhisparse.kernels.resolver import HotCacheOverflowError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU library not built (setup_native.sh)")
 

@@ -8,7 +8,7 @@ import torch
 
 from dhisparse.kv import KVConfig, KVLayout, KVManager
 from dhisparse.kv.footprint import request_footprint
-from dhisparse.kv.resolver import STEP_HOST, HotCacheOverflowError, resolve
+from dhisparse.kernels.resolver import STEP_HOST, HotCacheOverflowError, resolve
 
 
 def t(values: list) -> torch.Tensor:

@@ -14,7 +14,7 @@ import struct
 import pytest
 import torch
 
-from dhisparse import native
+from dhisparse.kernels import native
 from dhisparse.kernels import abi
 
 pytestmark = pytest.mark.skipif(

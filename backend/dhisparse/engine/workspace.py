@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dhisparse.kv.batch_state import BatchState
 from dhisparse.model import attention as mla
 from dhisparse.model.config import ModelConfig
 
@@ -115,8 +116,6 @@ def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int
 def kv_fixed_bytes(layout, config, ring_tensor_bytes: int = 0) -> int:
     """Device bytes the KV hierarchy allocates beside the arena for a fixed-size configuration: the persistent batch
     state, the draft ring's tensors and the arena's scratch and zero pages (``kv/device_pool.py``)."""
-    from dhisparse.kv.batch_state import BatchState  # late: dhisparse.kv imports the model package
-
     return (BatchState.size_bytes(layout, config) + ring_tensor_bytes
             + 2 * config.page_rows * layout.row_bytes)
 

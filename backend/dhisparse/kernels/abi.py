@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from dhisparse.kernels import native
+
 ABI_VERSION = 2
 REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_PLUGINS = REPO_ROOT / "build" / "native" / "plugins"
@@ -204,8 +206,6 @@ def cuda_library() -> ctypes.CDLL | None:
 @lru_cache(maxsize=1)
 def contract_library() -> ctypes.CDLL | None:
     """``libdhisparse_cpu.so`` with the launch contract exported (``None`` when not built)."""
-    from dhisparse import native
-
     lib = native.load()
     if lib is None:
         return None

@@ -3,7 +3,7 @@
 Every call packs an argument struct (:mod:`dhisparse.kernels.abi`) and launches through
 ``dhisparse::cuda::launch_*`` — the host code the TensorRT plugins' ``enqueue`` runs — on torch's current
 CUDA stream (or the stream given). Launches are asynchronous; nothing here synchronises with the host except
-:meth:`CudaKernels.resolve`, which compacts the copy list like :func:`dhisparse.kv.resolver.resolve` (the
+:meth:`CudaKernels.resolve`, which compacts the copy list like :func:`dhisparse.kernels.resolver.resolve` (the
 self-check uses it). The request path uses :meth:`CudaKernels.resolve_padded`, whose copy list stays padded
 with ``-1`` on the device so that the row copy can consume it without a host round trip.
 """
@@ -15,7 +15,7 @@ import ctypes
 import torch
 
 from dhisparse.kernels import abi
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
+from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution, from_padded
 
 RESOLVE_OUTPUTS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_position", "copy_slot", "copy_location",
                    "summary")
@@ -80,7 +80,7 @@ class CudaKernels:
         self, positions: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
         hot_loc: torch.Tensor, stamp: int, page_rows: int,
     ) -> Resolution:
-        """:func:`dhisparse.kv.resolver.resolve` computed by the kernel (synchronises to compact the copy list)."""
+        """:func:`dhisparse.kernels.resolver.resolve` computed by the kernel (synchronises to compact the copy list)."""
         out = self.resolve_padded(positions, page_table, hot_pos, hot_stamp, hot_loc, stamp, page_rows)
         status = out["summary"][:, SUMMARY_STATUS]
         if bool((status != 0).any()):

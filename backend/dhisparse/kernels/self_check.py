@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from dhisparse.kernels.resolver import Resolution, resolve
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kv.resolver import Resolution
 
 RESOLUTION_FIELDS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_request", "copy_position", "copy_slot",
                      "copy_location", "counts")
@@ -115,8 +115,6 @@ def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, case
     whose requests sit in scattered slots of the batch state) against the torch resolver run per request and
     source: locations, the hot state left in the slots, the counts and each source's host → arena copy list; and its
     direct-only form (page-table lookups of a fully mapped table) against what ``resolve`` finds there."""
-    from dhisparse.kv.resolver import resolve
-
     results = []
     for _ in range(cases):
         batch, sources, n = _randint(g, 1, 5), _randint(g, 1, 5), _randint(g, 1, 120)

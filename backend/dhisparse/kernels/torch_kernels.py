@@ -1,7 +1,7 @@
 """The torch implementation behind the kernel interface: the CPU path and the reference of the CUDA kernels.
 
 :class:`TorchKernels` has the methods of :class:`dhisparse.kernels.cuda_kernels.CudaKernels` with the
-semantics of the references (``dhisparse.kv.resolver.resolve``, :mod:`dhisparse.kernels.reference`).
+semantics of the references (``dhisparse.kernels.resolver.resolve``, :mod:`dhisparse.kernels.reference`).
 ``on_device`` is False: with it selected, the KV step and the model keep their own torch code paths (the
 ones the exactness tests compare with transformers); its methods serve the self-check as the reference.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dhisparse.kernels.reference import padded_resolution, row_copy_reference, sparse_mla_reference
-from dhisparse.kv.resolver import Resolution, resolve
+from dhisparse.kernels.resolver import Resolution, resolve
 
 
 class TorchKernels:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution
+from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution
 
 if TYPE_CHECKING:
     from dhisparse.kv.copies import CopyTicket

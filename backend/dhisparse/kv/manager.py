@@ -29,11 +29,11 @@ Host reads: a step reads the device once (``end_step``), or not at all when the 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from dhisparse.host_values import to_device
+from dhisparse.kernels.selection import KernelSelection, torch_selection
 from dhisparse.kv import history_import as history_host
 from dhisparse.kv import index_keys as key_store
 from dhisparse.kv import residency
@@ -50,9 +50,6 @@ from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
 from dhisparse.kv.step import StepKV, StepParts
 from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
 
-if TYPE_CHECKING:
-    from dhisparse.kernels.selection import KernelSelection
-
 
 class KVManager:
     """Load-adaptive KV hierarchy for one model (see the module docstring for the protocol)."""
@@ -63,8 +60,6 @@ class KVManager:
         config.validate_for(layout)
         # Which implementation resolves, fetches and attends (dhisparse.kernels.selection); torch by default.
         if kernels is None:
-            from dhisparse.kernels.selection import torch_selection  # late: kernels imports kv.resolver
-
             kernels = torch_selection("default")
         self.kernels = kernels
         self.layout, self.config = layout, config

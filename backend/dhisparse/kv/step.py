@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dhisparse import native
 from dhisparse.host_values import to_device
+from dhisparse.kernels import native
+from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kv import kernel_step
 from dhisparse.kv.index_keys import gather_keys
 from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_ON_DEVICE, OPT_READY, RequestKV
-from dhisparse.kv.resolver import HotCacheOverflowError
 from dhisparse.kv.step_resolution import (
     _FLAG_MESSAGES,
     FLAG_UNMAPPED,

@@ -1,7 +1,7 @@
 """How a step resolves selected positions to arena rows (a mixin of :class:`~dhisparse.kv.step.StepKV`).
 
 - **Direct steps** (every request's whole history direct, decided on the host at ``begin_step``): a page-table lookup
-  giving the same locations as :func:`~dhisparse.kv.resolver.resolve`, which would find every position direct and
+  giving the same locations as :func:`~dhisparse.kernels.resolver.resolve`, which would find every position direct and
   leave the hot cache untouched; the checks (position past the length, unmapped page) and the direct-row counts
   are deferred and settled once per step (:meth:`StepResolution._settle_deferred`, called by ``report``).
 - **Otherwise** the torch resolver (on the device, fixed-shape fetch list) or, with the CUDA kernels and no
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dhisparse import native
 from dhisparse.host_values import to_device
+from dhisparse.kernels import native
+from dhisparse.kernels.resolver import HotCacheOverflowError, resolve
 from dhisparse.kv import kernel_step
 from dhisparse.kv.copies import CopyTicket
-from dhisparse.kv.resolver import HotCacheOverflowError, resolve
 
 if TYPE_CHECKING:
     from dhisparse.kv.batch_state import BatchState

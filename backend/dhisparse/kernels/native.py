@@ -2,7 +2,7 @@
 
 The library is the CPU build of the header-only resolver shared with the CUDA kernels
 (``plugins/common/include/dhisparse/resolver.h``). :func:`resolve` has the signature and the exact results
-of :func:`dhisparse.kv.resolver.resolve` (locations, step codes, LRU state, copy list, counts).
+of :func:`dhisparse.kernels.resolver.resolve` (locations, step codes, LRU state, copy list, counts).
 
 Nothing here is required: importing this module never fails and never loads anything. :func:`load` looks
 for the library (``$DHISPARSE_NATIVE_LIB``, else ``build/native/plugins/libdhisparse_cpu.so`` under the
@@ -19,14 +19,14 @@ from typing import NamedTuple
 
 import torch
 
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
+from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution, from_padded
 
 ABI_VERSION = 3
 _STATUS_HOT_CACHE_TOO_SMALL = 1
 # Flags of resolve_step (DHS_STEP_* in c_api.h).
 STEP_BAD_POSITION, STEP_HOT_CACHE_OVERFLOW, STEP_NO_HOST_COPY, STEP_UNMAPPED = 1, 2, 4, 8
 _STEP_ARGS, _SETUP_ARGS = 32, 19  # int64 fields of DhsStepArgs, DhsSetupArgs
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[3]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
 
 
@@ -86,7 +86,7 @@ def resolve(
     stamp: int,
     page_rows: int,
 ) -> Resolution:
-    """:func:`dhisparse.kv.resolver.resolve` computed by the CPU library (same arguments, same results).
+    """:func:`dhisparse.kernels.resolver.resolve` computed by the CPU library (same arguments, same results).
 
     Shapes: positions ``[R, N]``, page_table ``[R, M]``, hot_pos / hot_stamp / hot_loc ``[R, B]``, all
     integer (converted to int64 on the CPU). Inputs are not modified.
