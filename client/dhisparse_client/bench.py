@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = {"engine": str(args.engine), "policies": policies, "baseline": baseline, "pool_bytes": args.pool_bytes,
              "concurrency": args.concurrency, "repeats": args.repeats, "prompt_tokens": prompt_tokens,
              "max_tokens": args.max_tokens,
-             "model": args.model, "engine_options": args.engine_option, "perf_analyzer": str(binary),
+             "model": args.model, "engine_options": args.engine_option,
+             **({"aiperf": str(binary)} if args.aiperf else {"perf_analyzer": str(binary)}),
              "genai_perf": args.genai_perf, "tool": "aiperf" if args.aiperf else "perf_analyzer",
              "aiperf_workload": vars(args.workload) if args.aiperf else None, "command": sys.argv}
     (args.output_dir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")

@@ -27,7 +27,7 @@ from dhisparse.errors import InvalidRequestError
 from dhisparse.serving.llm_outputs import PERF_METRIC_OUTPUTS
 from dhisparse.serving.text_processing import preprocess
 from dhisparse.serving.tokenization import TextDecoder, TokenBytes
-from dhisparse.serving.triton_tensors import error_response, request_arrays, response
+from dhisparse.serving.triton_tensors import STUB_LOCK, error_response, request_arrays, response
 
 # The ensemble's inputs (model_repository/ensemble/config.pbtxt), all of them.
 ENSEMBLE_INPUTS = (
@@ -98,7 +98,8 @@ class BLSService:
         """Read the request's tensors now (they live only during execute) and respond from a thread."""
         sender = request.get_response_sender()
         try:
-            inputs = request_arrays(self._pb, request, ENSEMBLE_INPUTS)
+            with STUB_LOCK:
+                inputs = request_arrays(self._pb, request, ENSEMBLE_INPUTS)
         except Exception as error:
             sender.send(error_response(self._pb, error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -141,34 +142,36 @@ class BLSService:
         threading.Thread(target=self._watch_cancellation, args=(sender, request_id), daemon=True).start()
         try:
             for inner in self._llm_request(arrays, request_id).exec(decoupled=True):
-                if inner.has_error():
-                    if not sender.cancelled:
-                        sender.send(error_response(self._pb, RuntimeError(inner.error().message())), flags=final)
-                        return
-                    continue
-                if sender.claim_cancellation():
-                    self._cancel(request_id)
-                output = self._pb.get_output_tensor_by_name(inner, "output_ids")
-                if sender.cancelled or output is None:
-                    continue
-                extras = {name: tensor.as_numpy() for name in LLM_OUTPUTS[2:]
-                          if (tensor := self._pb.get_output_tensor_by_name(inner, name)) is not None}
-                key = (int(extras["batch_index"].reshape(-1)[0]), int(extras["sequence_index"].reshape(-1)[0]))
-                decoder = decoders.setdefault(key, TextDecoder(self._token_bytes))
-                length = int(self._pb.get_output_tensor_by_name(inner, "sequence_length").as_numpy().reshape(-1)[0])
-                chunk = decoder.feed(output.as_numpy().reshape(-1)[:length])
-                if streaming:
-                    if chunk or len(extras) > 2:
-                        sender.send(response(self._pb, {"text_output": _text(chunk), **extras}))
-                else:
-                    text, _ = pending.setdefault(key, ([], {}))
-                    text.append(chunk)
-                    pending[key] = (text, extras)
+                with STUB_LOCK:  # one thread at a time builds and sends (see triton_tensors.STUB_LOCK)
+                    if inner.has_error():
+                        if not sender.cancelled:
+                            sender.send(error_response(self._pb, RuntimeError(inner.error().message())), flags=final)
+                            return
+                        continue
+                    if sender.claim_cancellation():
+                        self._cancel(request_id)
+                    output = self._pb.get_output_tensor_by_name(inner, "output_ids")
+                    if sender.cancelled or output is None:
+                        continue
+                    extras = {name: tensor.as_numpy() for name in LLM_OUTPUTS[2:]
+                              if (tensor := self._pb.get_output_tensor_by_name(inner, name)) is not None}
+                    key = (int(extras["batch_index"].reshape(-1)[0]), int(extras["sequence_index"].reshape(-1)[0]))
+                    decoder = decoders.setdefault(key, TextDecoder(self._token_bytes))
+                    length = int(self._pb.get_output_tensor_by_name(inner, "sequence_length").as_numpy().reshape(-1)[0])
+                    chunk = decoder.feed(output.as_numpy().reshape(-1)[:length])
+                    if streaming:
+                        if chunk or len(extras) > 2:
+                            sender.send(response(self._pb, {"text_output": _text(chunk), **extras}))
+                    else:
+                        text, _ = pending.setdefault(key, ([], {}))
+                        text.append(chunk)
+                        pending[key] = (text, extras)
             if sender.cancelled:
                 sender.send(error_response(self._pb, self._pb.TritonError(
                     "request cancelled by the client", self._pb.TritonError.CANCELLED)), flags=final)
                 return
-            self._finish(sender, streaming, sequences, decoders, pending)
+            with STUB_LOCK:
+                self._finish(sender, streaming, sequences, decoders, pending)
         except Exception as error:
             if not sender.finished.is_set():
                 sender.send(error_response(self._pb, RuntimeError(f"request failed: {error}")), flags=final)
@@ -211,7 +214,7 @@ class _GuardedSender:
         self.cancelled = False
 
     def send(self, response: Any = None, flags: int = 0) -> None:
-        with self._lock:
+        with STUB_LOCK, self._lock:
             if flags & self._final_flag:
                 self.finished.set()
             if response is None:
@@ -220,7 +223,7 @@ class _GuardedSender:
                 self._sender.send(response, flags=flags)
 
     def claim_cancellation(self) -> bool:
-        with self._lock:
+        with STUB_LOCK, self._lock:
             if self.cancelled or self.finished.is_set() or not self._sender.is_cancelled():
                 return False
             self.cancelled = True

@@ -6,6 +6,7 @@ Thin on purpose: tensors -> `parse_llm_request` -> `LLMService.start`; everythin
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 
@@ -14,6 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        faulthandler.enable(all_threads=True)  # a crash of this stub leaves every thread's Python stack in the log
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         if parameters.get("python_path"):  # the launcher pins the dhisparse package it was started from
@@ -45,20 +47,23 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> None:
         for request in requests:
-            sender = request.get_response_sender()
-            try:
-                inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
-                target = self.requests.cancel_target(inputs)
-                if target is not None or self.requests.stop_requested(inputs):  # control: dhisparse_bls / stop
-                    self.service.cancel_client(target if target is not None else request.request_id())
-                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                    continue
-                parsed = self.requests.parse_llm_requests(inputs, self.exclude_input_default)
-                self.service.start_all(parsed, sender, request.request_id())
-            except Exception as error:  # bad input (ValueError), a stopped engine, anything: an error, never silence
-                sender.send(self.tensors.error_response(pb_utils, error),
-                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            with self.tensors.STUB_LOCK:  # numpy and Triton objects: one thread at a time (triton_tensors.STUB_LOCK)
+                self._execute_one(request)
         # Decoupled: responses go through each request's sender, execute returns nothing.
+
+    def _execute_one(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
+            target = self.requests.cancel_target(inputs)
+            if target is not None or self.requests.stop_requested(inputs):  # control: dhisparse_bls / stop
+                self.service.cancel_client(target if target is not None else request.request_id())
+                self.tensors.send(pb_utils, sender, None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
+            parsed = self.requests.parse_llm_requests(inputs, self.exclude_input_default)
+            self.service.start_all(parsed, sender, request.request_id())
+        except Exception as error:  # bad input (ValueError), a stopped engine, anything: an error, never silence
+            self.tensors.send(pb_utils, sender, error, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self) -> None:
         self.service.close()

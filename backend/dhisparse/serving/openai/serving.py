@@ -115,7 +115,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------ requests
     def _sequences(self, body: CommonParams, prompts: list[list[int]], max_tokens: int | None,
-                   logprobs: int | None) -> list[_Sequence]:
+                   logprobs: int | None, prompt_param: str = "prompt") -> list[_Sequence]:
         if logprobs is not None:
             self.engine.require("log-probabilities", "logprobs", "return_log_probs")
             if logprobs:
@@ -135,11 +135,11 @@ class OpenAIServing:
         out = []
         for p, ids in enumerate(prompts):
             if not ids:
-                raise bad_request("the prompt is empty", "prompt")
+                raise bad_request("the prompt is empty", prompt_param)
             room = self.limits.max_model_len - len(ids)
             if room < 1:
                 raise bad_request(f"the prompt has {len(ids)} tokens; this model's context length is "
-                                  f"{self.limits.max_model_len}", "messages" if max_tokens is None else "prompt")
+                                  f"{self.limits.max_model_len}", prompt_param)
             limit = max_tokens if max_tokens is not None else min(
                 room, self.limits.max_new_tokens_limit or room)
             for i in range(body.n):
@@ -169,6 +169,9 @@ class OpenAIServing:
             queue.put_nowait(("done", sequence, sequence.text.release(final=True)))
         except OpenAIError as error:
             queue.put_nowait(("error", sequence, error))
+        except Exception as error:  # a bug here must still end the response (cancellation is a BaseException)
+            queue.put_nowait(("error", sequence, OpenAIError(500, f"internal error: {type(error).__name__}: "
+                                                                  f"{error}")))
 
     @staticmethod
     def _finish_reason(sequence: _Sequence) -> str:
@@ -271,7 +274,7 @@ class OpenAIServing:
         prompt = self.chat_template.render(body.message_dicts(), body.add_generation_prompt)
         ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        sequences = self._sequences(body, [ids], body.answer_limit(), logprobs)
+        sequences = self._sequences(body, [ids], body.answer_limit(), logprobs, "messages")
         response_id, created = responses.new_id("chatcmpl"), responses.now()
         events, first = await self._start(sequences)
 
