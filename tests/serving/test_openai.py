@@ -174,6 +174,7 @@ def test_stop_sequences_end_the_text_before_them(api, offline_llm, tokenizer, st
     else:
         assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "stop"
         assert reply.usage.completion_tokens < MAX_TOKENS
+        assert reply.usage.completion_tokens_details is not None  # statistics even though it ended early
 
 
 def test_log_probabilities(api, offline_llm, tokenizer):

@@ -207,6 +207,17 @@ def test_llm_model_reports_the_llmapi_statistics_and_finish_reason(served, greed
         assert response["kv_cache_reused_block"][0][0] == 0 and response["kv_cache_hit_rate"][0][0] == 0.0
         assert response["kv_cache_missed_block"][0][0] == pages
     assert [r["finish_reason"][0][0] for r in responses] == [b""] * (len(responses) - 1) + [b"length"]
+    # return_final_perf_metrics: the same statistics on the last response only
+    del values["return_perf_metrics"]
+    values["return_final_perf_metrics"] = np.array([[True]])
+    tensors = []
+    for name, value in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    responses = list(served.client().stream_results("dhisparse", tensors))
+    assert len(responses) > 1 and not any("kv_cache_missed_block" in r for r in responses[:-1])
+    assert responses[-1]["kv_cache_missed_block"][0][0] == pages and responses[-1]["total_draft_tokens"][0][0] == 0
 
     text = {"text_input": np.array([[PROMPTS[0]]], dtype=object), "max_tokens": np.array([[4]], dtype=np.int32),
             "return_finish_reason": np.array([[True]]), "return_perf_metrics": np.array([[True]])}

@@ -21,6 +21,7 @@ batch dimension (1: each response belongs to one prompt, named by `batch_index`,
   ceil(P / page_rows) pages; reused = `kv_prefix_reused_tokens` // page_rows, 0 while the engine has no prefix
   reuse), kv_cache_hit_rate [1, 1] fp32 = reused / (reused + missed); kv_cache_reused_blocks carries the same
   reused count.
+  With return_final_perf_metrics instead, they ride on the sequence's last response only.
 - num_input_tokens / num_output_tokens [1, 1] int32: prompt length / tokens generated so far.
 - finish_reason [1, 1] bytes (return_finish_reason, the `llmapi` model's output): why the sequence ended, on its
   last response ("stop": EOS, an end id or a stop word; "length": max_tokens or the engine's limit; "abort"),
@@ -128,6 +129,7 @@ class ResponseBuilder:
         self.context_logits: np.ndarray | None = None
         self.stats: dict[str, float] = {}
         self.finish_reason = ""
+        self.finished = False  # the sequence's last update has been added
         self._chunk = EMPTY
         self._context_sent = False
 
@@ -153,10 +155,11 @@ class ResponseBuilder:
         if update.stats:
             self.stats = update.stats
         if keep is not None:
-            self.finish_reason = "stop"
+            self.finish_reason, self.finished = "stop", True
         elif update.finished:
-            self.finish_reason = update.finish_reason or ""
-        self._pending = self._pending + _Chunk(tokens, log_probs, logits, top)
+            self.finish_reason, self.finished = update.finish_reason or "", True
+        if self.request.streaming:
+            self._pending = self._pending + _Chunk(tokens, log_probs, logits, top)
         return tokens
 
     def release(self, final: bool) -> int:
@@ -170,16 +173,16 @@ class ResponseBuilder:
 
     def chunk(self) -> dict[str, np.ndarray]:
         """The streamed response for the tokens of the last `release` (only new tokens; never the prompt)."""
-        return self._arrays(self._chunk.tokens, self._chunk)
+        return self._arrays(self._chunk.tokens, self._chunk, final=self.finished and not self._pending.tokens)
 
     def whole(self) -> dict[str, np.ndarray]:
         """The single response of a non-streaming request: every token (prompt first unless excluded)."""
         prefix = [] if self.request.exclude_input_in_output else list(self.request.prompt_token_ids)
         logits = np.concatenate(self.logits) if self.logits else None
         top = (np.concatenate([t[0] for t in self.top]), np.concatenate([t[1] for t in self.top])) if self.top else None
-        return self._arrays(prefix + self.tokens, _Chunk(self.tokens, self.log_probs, logits, top))
+        return self._arrays(prefix + self.tokens, _Chunk(self.tokens, self.log_probs, logits, top), final=True)
 
-    def _arrays(self, ids: list[int], chunk: _Chunk) -> dict[str, np.ndarray]:
+    def _arrays(self, ids: list[int], chunk: _Chunk, final: bool) -> dict[str, np.ndarray]:
         out = {
             "output_ids": np.asarray(ids, dtype=np.int32).reshape(1, 1, -1),
             "sequence_length": np.asarray([[len(ids)]], dtype=np.int32),
@@ -202,7 +205,7 @@ class ResponseBuilder:
             out["top_log_probs"] = values.astype(np.float32)[np.newaxis, np.newaxis]
         if wanted.finish_reason:
             out["finish_reason"] = np.asarray([[self.finish_reason.encode()]], dtype=object)
-        if wanted.perf_metrics:
+        if wanted.perf_metrics or (wanted.final_perf_metrics and final):
             out.update(perf_metrics(self.stats, len(self.request.prompt_token_ids), self.page_rows))
         if wanted.num_input_tokens:
             out["num_input_tokens"] = _one(len(self.request.prompt_token_ids), np.int32)

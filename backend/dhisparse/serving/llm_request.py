@@ -22,6 +22,9 @@ reason — never for merely being present with its neutral value. Defaults (= ab
 - return_log_probs, return_context_logits, return_generation_logits, return_perf_metrics,
   return_num_input_tokens, return_num_output_tokens [1] bool: extra outputs (false).
 - return_finish_reason [1] bool (tensorrtllm_backend's `llmapi` model): a `finish_reason` output (false).
+- return_final_perf_metrics [1] bool: the perf-metric outputs on each sequence's last response only (false): what a
+  client that reads a request's totals needs (the OpenAI API's usage), without 13 more tensors on every streamed
+  response (measured: +17 % latency for 32-token answers on a CPU machine).
 - num_top_log_probs [1] int32: K most likely tokens with their log-probabilities at every generated position,
   outputs `top_token_ids` / `top_log_probs` (0 = none; at most 20, as OpenAI's `top_logprobs`).
 - streaming [1] bool: one response per engine step (false).
@@ -61,7 +64,8 @@ LLM_INPUTS = (
     "beam_search_diversity_rate", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length",
     "min_tokens", "num_return_sequences", "exclude_input_in_output", "return_log_probs", "return_context_logits",
     "return_generation_logits", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
-    "return_finish_reason", "num_top_log_probs", "stream_whole_characters", "draft_input_ids", "draft_logits",
+    "return_finish_reason", "return_final_perf_metrics", "num_top_log_probs", "stream_whole_characters",
+    "draft_input_ids", "draft_logits",
     "draft_acceptance_threshold", "prompt_embedding_table", "prompt_vocab_size",
     "prompt_table_extra_ids", "lora_task_id", "lora_weights", "lora_config", "guided_decoding_guide_type",
     "guided_decoding_guide", "decoder_input_ids", "decoder_input_lengths", "stop", "cancel_request_id",
@@ -99,6 +103,7 @@ class OutputOptions:
     num_input_tokens: bool = False
     num_output_tokens: bool = False
     finish_reason: bool = False
+    final_perf_metrics: bool = False  # perf metrics on the last response only
     top_log_probs: int = 0  # K of num_top_log_probs (0 = none)
 
 

@@ -146,7 +146,7 @@ class OpenAIServing:
                 seed = None if body.seed is None else (body.seed + i) & SEED_MASK
                 request = SequenceRequest(
                     list(ids), limit, body.temperature, body.top_p, max(body.top_k, 0), seed, body.presence_penalty,
-                    body.frequency_penalty, body.repetition_penalty, body.min_tokens, bias, logprobs)
+                    body.frequency_penalty, body.repetition_penalty, body.min_tokens, bias, logprobs, bool(stops))
                 out.append(_Sequence(p * body.n + i, p, request, ChoiceText(self.token_bytes, stops)))
         return out
 
