@@ -82,14 +82,14 @@ class _TimedEngine:
         params = SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True)
         ids = [self.engine.add_request(p, params) for p in prompts]
         run = Run()
-        while self.engine.waiting:  # every prompt admitted in one step unless the prefill budget splits them
+        while self.engine.scheduler.waiting:  # every prompt admitted in one step unless the prefill budget splits
             t0 = time.perf_counter()
             self.engine.step()
             run.prefill_s += time.perf_counter() - t0
         return run, ids
 
     def step(self, run: Run) -> None:
-        batch = len(self.engine.running)
+        batch = len(self.engine.scheduler.running)
         kv = self.engine.kv
         begin = kv.begin_step
         self.paths.clear()

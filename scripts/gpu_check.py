@@ -70,6 +70,7 @@ def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
 # --------------------------------------------------------------------------------------------- kernels
 def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]:
     from dhisparse.kernels.reference import decode_fp8_rows, encode_fp8_rows, sparse_mla_reference
+    from dhisparse.kernels.resolver import resolve
     from dhisparse.kernels.self_check import (
         compare_attention,
         compare_resolutions,
@@ -77,7 +78,6 @@ def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]
         resolver_case,
         run_self_check,
     )
-    from dhisparse.kernels.resolver import resolve
 
     out: dict[str, Any] = {}
     results = [r for seed in range(seeds) for r in run_self_check(kernels, dev, seed)]
@@ -144,9 +144,9 @@ def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[d
 # --------------------------------------------------------------------------------------------- mapped host store
 def check_mapped_host(dev: torch.device) -> dict[str, Any]:
     """The host store's device view against the CPU rows, a fetch with no host read, and the gather's time."""
+    from dhisparse.host_values import HostSync
     from dhisparse.kv.copies import CopyEngine
     from dhisparse.kv.host_store import ChunkedRows
-    from dhisparse.kv.host_sync import HostSync
     from dhisparse.kv.mapped_host import host_device_pointer
 
     out: dict[str, Any] = {}

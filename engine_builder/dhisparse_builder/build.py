@@ -3,7 +3,8 @@
 An engine directory holds ``config.json`` (the model's Hugging Face config, unchanged), ``model.safetensors``
 (weights validated and converted to the engine dtype, routed experts stacked per layer), ``runtime.json`` (the
 KV/serving defaults, an ``EngineConfig``), the tokenizer files when the checkpoint has them, and
-``drafters/<kind>/`` when a drafter is packed with the target.
+``drafters/<family>/`` for each drafter packed with the target (``dhisparse.spec.packing``: recognised by format,
+validated against the target, refused with the supported formats when unknown).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from dhisparse.engine.config import EngineConfig
 from dhisparse.errors import CheckpointError
 from dhisparse.model.loading import load_any_state_dict, read_any_config
+from dhisparse.spec.packing import pack_drafter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja")
@@ -80,7 +82,10 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
         if opts.chat_template is not None:
             shutil.copy2(opts.chat_template, staging / CHAT_TEMPLATE_FILE)
         for drafter in opts.drafters:
-            _pack_drafter(drafter, staging)
+            pack_drafter(drafter, staging / "drafters", cfg)
+        if runtime.speculative and not (staging / "drafters" / runtime.speculative).is_dir():
+            raise CheckpointError(f"speculative={runtime.speculative!r} needs a drafter of that family; pack one "
+                                  "with --drafter DIR")
         if output.exists():
             shutil.rmtree(output)
         staging.rename(output)
@@ -90,16 +95,3 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
     return output
 
 
-def _pack_drafter(drafter: Path, staging: Path) -> None:
-    """Copy a drafter checkpoint under ``drafters/<kind>/`` after checking it loads."""
-    config_path = drafter / "config.json"
-    if not config_path.exists():
-        raise CheckpointError(f"{drafter}: drafter config.json not found")
-    config = json.loads(config_path.read_text())
-    kind = config.get("drafter_type") or config.get("model_type")
-    if not kind:
-        raise CheckpointError(f"{config_path}: no 'drafter_type' field")
-    target = staging / "drafters" / str(kind)
-    if target.exists():
-        raise CheckpointError(f"two drafters of kind {kind!r} given")
-    shutil.copytree(drafter, target)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dhisparse.disagg.repository import DisaggregatedOptions, fill_disaggregated_repository
 from dhisparse.serving.cli import _disaggregated_options, parse_args
+from dhisparse.serving.disagg_repository import DisaggregatedOptions, fill_disaggregated_repository
 from dhisparse.serving.repository import RepositorySpec
 
 

@@ -14,6 +14,7 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.errors import ConfigError
+from dhisparse.kernels.resolver import Resolution
 from dhisparse.kernels.selection import select_kernels
 from dhisparse.kernels.self_check import (
     KernelSelfCheckError,
@@ -22,7 +23,6 @@ from dhisparse.kernels.self_check import (
     run_self_check,
 )
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kernels.resolver import Resolution
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""The KV step's device-kernel path (``dhisparse.kv.kernel_step``) driven on CPU by torch stand-ins.
+"""The KV step's device-kernel path (``dhisparse.kv.resolution.cuda``) driven on CPU by torch stand-ins.
 
 On a GPU the step resolves with the resolver kernel's padded output, computes host rows on the device, issues
 one row-copy launch per source on the copy stream (``CopyEngine.issue_gather``), lets readers wait on the copy
@@ -17,9 +17,9 @@ from tiny_models import random_prompts
 from dhisparse import LLM, SamplingParams
 from dhisparse.errors import ConfigError, RequestFailedError
 from dhisparse.kernels import selection
+from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kernels.selection import KernelSelection
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kernels.resolver import HotCacheOverflowError
 
 
 class DevicePathStandIn(TorchKernels):

@@ -14,8 +14,7 @@ import struct
 import pytest
 import torch
 
-from dhisparse.kernels import native
-from dhisparse.kernels import abi
+from dhisparse.kernels import abi, native
 
 pytestmark = pytest.mark.skipif(
     not native.available(),

@@ -41,7 +41,7 @@ def deployment(tiny_engine, tmp_path_factory):
     """``(generation server, context server)``: two servers, or the same one twice (``TOPOLOGY = one``)."""
     from conftest import POOL_BYTES, ServedEngine, start_triton
 
-    from dhisparse.disagg.repository import DisaggregatedOptions, fill_disaggregated_repository
+    from dhisparse.serving.disagg_repository import DisaggregatedOptions, fill_disaggregated_repository
     from dhisparse.serving.repository import RepositorySpec
 
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES}

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dhisparse.disagg.params import ContextPhaseParams
-from dhisparse.engine.sampling import SamplingParams
+from dhisparse.sampling import SamplingParams
 
 
 def _serve(engine_dir: str, variants: dict[str, dict[str, Any]], agent_name: str, hold_timeout_s: float,

@@ -21,11 +21,11 @@ import torch
 
 from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution, from_padded
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _STATUS_HOT_CACHE_TOO_SMALL = 1
 # Flags of resolve_step (DHS_STEP_* in c_api.h).
 STEP_BAD_POSITION, STEP_HOT_CACHE_OVERFLOW, STEP_NO_HOST_COPY, STEP_UNMAPPED = 1, 2, 4, 8
-_STEP_ARGS, _SETUP_ARGS = 32, 19  # int64 fields of DhsStepArgs, DhsSetupArgs
+_STEP_ARGS, _SETUP_ARGS = 39, 19  # int64 fields of DhsStepArgs, DhsSetupArgs
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 _DEFAULT_LIBRARY = _REPO_ROOT / "build" / "native" / "plugins" / "libdhisparse_cpu.so"
 
@@ -144,11 +144,6 @@ class StepOutputs(NamedTuple):
     flags: int
 
 
-# The last hot / host state tensors resolve_step checked (a step's calls pass the batch state's own tensors, whose
-# shape and layout never change in place: the batch state replaces them when it grows).
-_CHECKED_STATE: list[torch.Tensor | None] = []
-
-
 def _strided(name: str, t: torch.Tensor, rows: int, sources: int, call: str = "resolve_step") -> None:
     if (t.dtype is not torch.int64 or not t.is_cpu or t.dim() != 3 or t.stride(2) != 1 or t.shape[0] < rows
             or t.shape[1] < sources):
@@ -159,7 +154,9 @@ def _strided(name: str, t: torch.Tensor, rows: int, sources: int, call: str = "r
 def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tensor, sources: torch.Tensor,
                  slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
                  hot_loc: torch.Tensor, host_pages: torch.Tensor | None, counts: torch.Tensor, stamp: int,
-                 page_rows: int, direct_only: bool = False) -> StepOutputs:
+                 page_rows: int, direct_only: bool = False,
+                 staging: tuple[torch.Tensor, list[int], torch.Tensor] | None = None,
+                 checked: list[torch.Tensor | None] | None = None) -> StepOutputs:
     """One KV step's resolution of the sources ``sources [G]`` selected by the same ``positions [B, N]`` (an index
     group, or one source), by one library call (``dhs_resolve_step_i64``, the contract of ``resolver.h`` per
     request and source): the step's state is read where it lives — the page-table snapshot ``[B, S, M]`` by
@@ -170,7 +167,12 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
     With ``direct_only`` (a step whose every request's history is direct) the call is resolver step 1 alone:
     page-table locations, each request's distinct valid positions counted as direct, the hot state untouched, no
     copies; a position whose page is not mapped gets -1 and the flag ``STEP_UNMAPPED``.
-    All tensors int64 on the CPU; the 3-D ones need a contiguous last dimension (checked, as are the sizes)."""
+    ``staging = (staging_loc [slots, slot count, T], staging slot of each source [G], staged [B])``: verification
+    staging (the contract's step 4) — a request's misses past its evictable hot slots go to the staging rows of its
+    source's staging slot, and each request's staged rows are added to ``staged``.
+    All tensors int64 on the CPU; the 3-D ones need a contiguous last dimension (checked, as are the sizes).
+    ``checked``: the caller's record of the batch-state tensors already checked (a step's calls pass the batch state's
+    own tensors, whose shape and layout never change in place: the batch state replaces them when it grows)."""
     batch, n = positions.shape
     groups = sources.shape[0]
     for name, t in (("positions", positions), ("lengths", lengths), ("sources", sources), ("slots", slots),
@@ -181,8 +183,10 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
         raise ValueError("resolve_step: lengths and slots must be [B], counts [B, 3]")
     num_sources = page_table.shape[1]
     _strided("page_table", page_table, batch, num_sources)
-    state = (hot_pos, hot_stamp, hot_loc, host_pages)
-    if len(_CHECKED_STATE) != 4 or any(a is not b for a, b in zip(state, _CHECKED_STATE, strict=True)) or \
+    staging_loc = staging[0] if staging is not None else None
+    state = (hot_pos, hot_stamp, hot_loc, host_pages, staging_loc)
+    checked = [] if checked is None else checked
+    if len(checked) != 5 or any(a is not b for a, b in zip(state, checked, strict=True)) or \
             hot_pos.shape[1] < num_sources:
         for name, t in (("hot_pos", hot_pos), ("hot_stamp", hot_stamp), ("hot_loc", hot_loc)):
             _strided(name, t, 1, num_sources)
@@ -190,7 +194,23 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
                 raise ValueError("resolve_step: hot_pos, hot_stamp and hot_loc must have one shape and layout")
         if host_pages is not None:
             _strided("host_pages", host_pages, hot_pos.shape[0], num_sources)
-        _CHECKED_STATE[:] = state  # the batch state's tensors, checked once (held here, so never another's id)
+        if staging_loc is not None:
+            _strided("staging_loc", staging_loc, hot_pos.shape[0], 0)
+        checked[:] = state  # the batch state's tensors, checked once (held by the caller, so never another's id)
+    staging_slots_c = staged_ptr = 0
+    staging_rows = staging_count = 0
+    staging_strides = (0, 0)
+    if staging is not None and staging[0].shape[2] > 0:
+        staging_loc, members, staged = staging
+        if len(members) != groups or staged.shape != (batch,) or staged.dtype is not torch.int64 or \
+                not staged.is_cpu or not staged.is_contiguous():
+            raise ValueError("resolve_step: staging needs a staging slot per source and staged [B] (CPU int64)")
+        staging_slots_c = (ctypes.c_int64 * groups)(*members)
+        staging_rows, staging_count = staging_loc.shape[2], staging_loc.shape[1]
+        staging_strides = (staging_loc.stride(0), staging_loc.stride(1))
+        staged_ptr = staged.data_ptr()
+    else:
+        staging_loc = None
     # Separate outputs (a slice or view of one buffer costs more in Python than an allocation); the copy counts
     # in a ctypes array, read without torch.
     locations = torch.empty((groups, batch, n), dtype=torch.int64)
@@ -207,6 +227,9 @@ def resolve_step(lib: ctypes.CDLL, positions: torch.Tensor, lengths: torch.Tenso
         hot_pos.data_ptr(), hot_stamp.data_ptr(), hot_loc.data_ptr(),
         host_pages.data_ptr() if host_pages is not None else 0, locations.data_ptr(), fetch_src.data_ptr(),
         fetch_dst.data_ptr(), ctypes.addressof(fetch_count), counts.data_ptr(),
+        staging_rows, staging_count, *staging_strides,
+        ctypes.addressof(staging_slots_c) if staging_loc is not None else 0,
+        staging_loc.data_ptr() if staging_loc is not None else 0, staged_ptr,
     )  # fmt: skip
     flags = int(lib.dhs_resolve_step_i64(args))
     if flags < 0:

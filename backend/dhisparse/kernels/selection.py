@@ -121,9 +121,6 @@ def select_kernels(
     return KernelSelection(option, kernels, f"CUDA kernels passed {len(results)} self-checks", self_check=results)
 
 
-_NATIVE_CHECKED: dict[int, list[CheckResult]] = {}  # id of the loaded library (kept by native.load) -> its check
-
-
 def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> KernelSelection:
     """Torch on a CPU device, resolving through the native CPU library when it is built and self-checks."""
     lib = native.load()
@@ -131,10 +128,11 @@ def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> K
         return torch_selection(f"CPU device; native resolver not built ({native.library_path()})")
     if native_check is not None:
         results = native_check(lib)
-    else:  # the loaded library does not change: checked once per process (later engines start without the check)
-        results = _NATIVE_CHECKED.get(id(lib))
+    else:  # the loaded library does not change: checked once, the result kept with it (later engines skip it)
+        results = getattr(lib, "dhs_self_check", None)
         if results is None:
-            results = _NATIVE_CHECKED[id(lib)] = check_native_resolver(lib)
+            results = check_native_resolver(lib)
+            lib.dhs_self_check = results
     bad = failures(results)
     if bad is not None:
         log.warning("the native CPU resolver disagrees with the torch resolver; resolving with torch: %s", bad)

@@ -110,16 +110,20 @@ def check_resolver(kernels: Any, device: torch.device, g: torch.Generator, cases
     return results
 
 
-def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, cases: int = 3) -> list[CheckResult]:
+def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, cases: int = 4) -> list[CheckResult]:
     """The native library's whole-step resolution (``native.resolve_step``: an index group's sources for a batch
     whose requests sit in scattered slots of the batch state) against the torch resolver run per request and
     source: locations, the hot state left in the slots, the counts and each source's host → arena copy list; and its
-    direct-only form (page-table lookups of a fully mapped table) against what ``resolve`` finds there."""
+    direct-only form (page-table lookups of a fully mapped table) against what ``resolve`` finds there. Every other
+    case has verification staging (a hot cache smaller than the selection, a staging slot per group member): rows past
+    the evictable slots are staged, as the reference stages them."""
     results = []
-    for _ in range(cases):
+    for case in range(cases):
         batch, sources, n = _randint(g, 1, 5), _randint(g, 1, 5), _randint(g, 1, 120)
         groups, pages, page_rows = _randint(g, 1, sources + 1), _randint(g, 1, 12), _randint(g, 1, 20)
-        num_slots, hot_rows = batch + _randint(g, 0, 3), n + _randint(g, 0, 40)
+        staged_case = case % 2 == 1
+        num_slots, hot_rows = batch + _randint(g, 0, 3), (_randint(g, 1, n + 1) if staged_case
+                                                          else n + _randint(g, 0, 40))
         rows = num_slots * sources
         _, table, hot_pos, hot_stamp, hot_loc = (t.view(num_slots, sources, -1) for t in resolver_case(
             g, rows, n, pages, page_rows, hot_rows))
@@ -128,32 +132,39 @@ def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, case
         slots = torch.randperm(num_slots, generator=g)[:batch]
         chosen = torch.randperm(sources, generator=g)[:groups]
         snapshot = table[slots].clone()  # the step's page-table snapshot, by request
+        staging_loc = 2 * 10**6 + torch.arange(num_slots * groups * n).view(num_slots, groups, n)
         want_pos, want_stamp = hot_pos.clone(), hot_stamp.clone()
         want_loc = torch.empty(groups, batch, n, dtype=torch.int64)
         want_counts = torch.zeros(batch, 3, dtype=torch.int64)
+        want_staged = torch.zeros(batch, dtype=torch.int64)
         want_fetch: list[tuple[list[int], list[int]]] = []
         for gi, source in enumerate(chosen.tolist()):
             src: list[int] = []
             dst: list[int] = []
             for b, slot in enumerate(slots.tolist()):
                 res = resolve(positions[b: b + 1], snapshot[b, source][None], want_pos[slot, source][None],
-                              want_stamp[slot, source][None], hot_loc[slot, source][None], 7, page_rows)
+                              want_stamp[slot, source][None], hot_loc[slot, source][None], 7, page_rows,
+                              staging_loc[slot, gi][None] if staged_case else None)
                 want_loc[gi, b] = res.locations[0]
                 want_pos[slot, source], want_stamp[slot, source] = res.hot_pos[0], res.hot_stamp[0]
                 want_counts[b] += res.counts[0]
+                want_staged[b] += res.staged[0]
                 host_page = host_pages[slot, source][res.copy_position // page_rows]
                 src += (host_page * page_rows + res.copy_position % page_rows).tolist()
                 dst += res.copy_location.tolist()
             want_fetch.append((src, dst))
         counts = torch.zeros(batch, 3, dtype=torch.int64)
+        staged = torch.zeros(batch, dtype=torch.int64)
+        staging = (staging_loc, list(range(groups)), staged) if staged_case else None
         out = native_module.resolve_step(lib, positions, torch.full((batch,), pages * page_rows), chosen, slots,
-                                         snapshot, hot_pos, hot_stamp, hot_loc, host_pages, counts, 7, page_rows)
+                                         snapshot, hot_pos, hot_stamp, hot_loc, host_pages, counts, 7, page_rows,
+                                         staging=staging)
         got_fetch = [(out.fetch_src[gi, :c].tolist(), out.fetch_dst[gi, :c].tolist())
                      for gi, c in enumerate(out.fetch_count)]
         problem = None
         for name, a, b in (("flags", torch.tensor(out.flags), torch.tensor(0)), ("locations", out.locations, want_loc),
                            ("hot_pos", hot_pos, want_pos), ("hot_stamp", hot_stamp, want_stamp),
-                           ("counts", counts, want_counts)):
+                           ("counts", counts, want_counts), ("staged", staged, want_staged)):
             if not torch.equal(a, b):
                 problem = f"{name} differ from the reference"
                 break
@@ -175,7 +186,7 @@ def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, case
                                     or not torch.equal(hot_stamp, want_stamp)):
                 problem = "direct-only counts, copies or hot state differ from the reference"
         results.append(CheckResult("step_resolution", f"B={batch} S={sources} G={groups} N={n} M={pages} "
-                                   f"P={page_rows} H={hot_rows} slots={num_slots}", problem))
+                                   f"P={page_rows} H={hot_rows} slots={num_slots} staging={staged_case}", problem))
     return results
 
 

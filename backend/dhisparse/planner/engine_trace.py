@@ -46,9 +46,10 @@ def record_demo_trace(count: int = 4, prompt_bytes: int = 1536, new_tokens: int 
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = Path(tmp) / "engine"
         build_engine(BuildOptions(target, engine_dir, {"dtype": "float32"}), progress=lambda d, t: None)
-        llm = LLM(engine_dir, kv_policy="resident", max_batch_size=count)
-        recorder = RecordingKV(llm.engine.kv)
-        llm.engine.kv = recorder
+        recorders: list[RecordingKV] = []
+        llm = LLM(engine_dir, wrap_kv=lambda kv: recorders.append(RecordingKV(kv)) or recorders[-1],
+                  kv_policy="resident", max_batch_size=count)
+        recorder = recorders[0]
         prompts = heldout_prompts(count, prompt_bytes)
         llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
         recorder.finish()

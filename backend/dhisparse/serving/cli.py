@@ -15,6 +15,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from dhisparse.serving.disagg_repository import DisaggregatedOptions, fill_disaggregated_repository
 from dhisparse.serving.openai import server as openai_server
 from dhisparse.serving.repository import RepositorySpec, fill_model_repository, parse_override
 from dhisparse.serving.server import ServerConfig, ServerStartError, TritonServer, free_ports
@@ -31,7 +32,7 @@ _ENGINE_FLAGS = (
     ("page_rows", int, "rows per KV page"),
     ("reserve_bytes", int, "admission reserve in bytes"),
     ("max_batch_size", int, "engine batch size (running requests)"),
-    ("speculative", str, "speculative decoding: dflash2 or dspark"),
+    ("speculative", str, "speculative decoding: dflash, dflash2 or dspark (a packed drafter family)"),
     ("num_draft_tokens", int, "draft tokens per speculation step"),
 )
 
@@ -95,14 +96,12 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
     return overrides
 
 
-def _disaggregated_options(args: argparse.Namespace) -> object | None:
+def _disaggregated_options(args: argparse.Namespace) -> DisaggregatedOptions | None:
     """The disaggregated deployment's options (None: co-located); raises ValueError naming the flag at fault."""
     if not args.disaggregated and args.role is None:
         if args.context_url:
             raise ValueError("--context-url needs --role generation")
         return None
-    from dhisparse.disagg.repository import DisaggregatedOptions
-
     return DisaggregatedOptions(args.role or "both", args.context_url, args.nixl_agent_name,
                                 args.nixl_transfer_timeout, args.nixl_hold_timeout)
 
@@ -133,8 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         model_repo = args.model_repo or Path(work) / "model_repository"
         model_repo.mkdir(parents=True, exist_ok=True)
         if disaggregated is not None:
-            from dhisparse.disagg.repository import fill_disaggregated_repository
-
             models = fill_disaggregated_repository(spec, model_repo, args.templates, disaggregated)
         else:
             models = fill_model_repository(spec, model_repo, args.templates)

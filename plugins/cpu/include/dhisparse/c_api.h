@@ -8,7 +8,7 @@ extern "C" {
 #endif
 
 //! Bumped whenever a signature or a layout below changes.
-#define DHS_CPU_ABI_VERSION 3
+#define DHS_CPU_ABI_VERSION 4
 
 //! Columns of `summary` rows (dhisparse::SummaryColumn).
 #define DHS_SUMMARY_STATUS 0
@@ -81,6 +81,12 @@ typedef struct DhsStepArgs
     int64_t* fetch_dst;         //!< [G, B * N] out: arena rows they go to
     int64_t* fetch_count;       //!< [G] out: copies of each source
     int64_t* counts;            //!< [B, 3] in/out: direct / hot / host rows added per request
+    int64_t staging_rows;       //!< T verification staging rows per (slot, staging slot); 0: no staging
+    int64_t staging_count;      //!< staging slots per batch-state slot (every staging_slots[g] must be below it)
+    int64_t staging_slot_stride, staging_group_stride;  //!< of staging_loc (rows: slots)
+    int64_t const* staging_slots;  //!< [G] staging slot of each group member (ignored when T is 0)
+    int64_t const* staging_loc;    //!< [slots, staging slots, T] arena rows of verification staging, or NULL
+    int64_t* staged;               //!< [B] in/out: rows copied into staging added per request (NULL when T is 0)
 } DhsStepArgs;
 
 //! Flags returned by dhs_resolve_step_i64 (or -1 for bad sizes, a source or a slot out of range).
