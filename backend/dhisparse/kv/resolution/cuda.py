@@ -31,7 +31,7 @@ import torch
 
 from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kv.copies import CopyTicket
-from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, Resolved
+from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, Resolved, StepSetup
 from dhisparse.kv.resolution.reference import TorchResolution
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ class CudaResolution:
         self.kernels = kernels
         self.reference = TorchResolution()
 
-    def setup(self, step: StepKV, starts: list[int], width: int) -> None:
-        self.reference.setup(step, starts, width)
+    def setup(self, step: StepKV, starts: list[int], width: int) -> StepSetup:
+        return self.reference.setup(step, starts, width)
 
     def settle(self, step: StepKV) -> None:
         self.reference.settle(step)
