@@ -135,7 +135,7 @@ def start_server(args: argparse.Namespace, policy: str, warm_prompt: str) -> Pol
     """Start and warm up `dhisparse-serve` for `policy`; None (logged) when it does not come up."""
     out = args.output_dir / policy
     out.mkdir(parents=True, exist_ok=True)
-    extra = ("--disaggregated",) if policy.endswith(DISAGG_SUFFIX) else ()
+    extra: tuple[str, ...] = ("--disaggregated",) if policy.endswith(DISAGG_SUFFIX) else ()
     if args.aiperf:
         extra += ("--openai-port", "0") + (("--chat-template", str(args.chat_template)) if args.chat_template else ())
     server = ServeProcess(args.engine, _engine_options(args, policy), log_path=out / "server.log", extra_args=extra)
@@ -162,6 +162,8 @@ def measure(args: argparse.Namespace, target: PolicyServer, binary: Path, input_
     level_start = time.monotonic()
     try:
         if args.aiperf:
+            if target.openai_url is None or target.openai_model is None:
+                raise AIPerfError(f"{target.policy}: the server printed no OpenAI endpoint")
             result, _ = run_aiperf(binary, target.openai_url, target.openai_model, args.engine, args.workload,
                                    concurrency, count, target.out, f"aiperf-c{concurrency}-r{repeat}",
                                    args.level_timeout)

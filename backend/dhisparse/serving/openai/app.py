@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
 import anyio
@@ -72,7 +72,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
                 await asyncio.gather(task, return_exceptions=True)
 
 
-async def _events(request: Request, events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _events(request: Request, events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
     """`events`, ended (and their sequences cancelled) as soon as the client disconnects, even while no event is
     due (a sequence waiting for admission or in prefill). Starlette also cancels the response when it sees the
     disconnect; either way the cleanup below runs shielded, so the sequences are cancelled."""

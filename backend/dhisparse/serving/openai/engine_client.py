@@ -14,8 +14,9 @@ finish_reason, which is then inferred from the token count).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -138,7 +139,7 @@ class EngineClient:
                   "streaming": np.asarray([[True]]),
                   "temperature": np.asarray([[request.temperature]], dtype=np.float32),
                   "runtime_top_p": np.asarray([[request.top_p]], dtype=np.float32)}
-        optional = {
+        optional: dict[str, tuple[bool, np.ndarray]] = {
             "runtime_top_k": (request.top_k > 0, np.asarray([[request.top_k]], dtype=np.int32)),
             "random_seed": (request.seed is not None, np.asarray([[request.seed or 0]], dtype=np.uint64)),
             "presence_penalty": (request.presence_penalty != 0, np.asarray([[request.presence_penalty]], np.float32)),
@@ -164,7 +165,7 @@ class EngineClient:
                 arrays[name] = array
         return arrays
 
-    async def generate(self, request: SequenceRequest, request_id: str) -> AsyncIterator[SequenceChunk]:
+    async def generate(self, request: SequenceRequest, request_id: str) -> AsyncGenerator[SequenceChunk, None]:
         """Stream one sequence. Raises OpenAIError (classified by `errors.from_triton`) when the deployment answers
         with an error or cannot be reached. Leaving the iteration early cancels the request on the server."""
         if self._client is None or not self.inputs:
@@ -173,7 +174,7 @@ class EngineClient:
         tensors = [_tensor(name, array) for name, array in self._arrays(request).items()]
         outputs = [grpcclient.InferRequestedOutput(name) for name in _OUTPUTS if name in self.outputs]
 
-        async def one_request():
+        async def one_request() -> AsyncIterator[dict[str, Any]]:
             yield {"model_name": self.model, "inputs": tensors, "outputs": outputs, "request_id": request_id}
 
         responses = self._client.stream_infer(one_request())
@@ -201,10 +202,14 @@ class EngineClient:
     @staticmethod
     def _chunk(result: grpcclient.InferResult) -> SequenceChunk:
         def get(name: str) -> np.ndarray | None:
-            return result.as_numpy(name)
+            array: np.ndarray | None = result.as_numpy(name)
+            return array
 
-        length = int(get("sequence_length").reshape(-1)[0])
-        chunk = SequenceChunk([int(t) for t in get("output_ids").reshape(-1)[:length]])
+        lengths, ids_out = get("sequence_length"), get("output_ids")
+        if lengths is None or ids_out is None:
+            raise OpenAIError(500, f"the {', '.join(LLM_MODELS)} model answered without output_ids / sequence_length")
+        length = int(lengths.reshape(-1)[0])
+        chunk = SequenceChunk([int(t) for t in ids_out.reshape(-1)[:length]])
         if (log_probs := get("output_log_probs")) is not None:
             chunk.log_probs = [float(v) for v in log_probs.reshape(-1)[:length]]
         ids, values = get("top_token_ids"), get("top_log_probs")

@@ -74,13 +74,14 @@ class OpenAIServer:
     def port(self) -> int:
         if self._server is None or not self._server.servers:
             return self.options.port
-        return self._server.servers[0].sockets[0].getsockname()[1]
+        port: int = self._server.servers[0].sockets[0].getsockname()[1]
+        return port
 
     def start(self, timeout_s: float = 30.0) -> None:
         serving = self.serving
 
         @asynccontextmanager
-        async def lifespan(_app) -> AsyncIterator[None]:
+        async def lifespan(_app: object) -> AsyncIterator[None]:
             await serving.engine.ready()  # connects and learns the model's tensors (retried per request if not yet)
             yield
             await serving.engine.close()

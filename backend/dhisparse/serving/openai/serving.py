@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,7 +75,7 @@ class EventStream:
         self.open = len(sequences)
 
     async def next(self) -> tuple[str, _Sequence | None, Any]:
-        event = await self.queue.get()
+        event: tuple[str, _Sequence | None, Any] = await self.queue.get()
         if event[0] == "done":
             self.open -= 1
         return event
@@ -230,7 +230,7 @@ class OpenAIServing:
             return self.tokenizer.encode(prompt, add_special_tokens=self.add_special_tokens).ids
         return list(prompt)
 
-    async def completions(self, body: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def completions(self, body: CompletionRequest) -> dict[str, Any] | AsyncGenerator[str, None]:
         """A ``text_completion`` object, or (``stream``) an iterator of server-sent events."""
         self.check_model(body.model)
         texts = body.prompts()
@@ -268,7 +268,7 @@ class OpenAIServing:
             response_id, created, self.model_name, [], usage), prompts, body.include_usage(), set())
 
     # ---------------------------------------------------------------------------------------------- chat
-    async def chat(self, body: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+    async def chat(self, body: ChatCompletionRequest) -> dict[str, Any] | AsyncGenerator[str, None]:
         """A ``chat.completion`` object, or (``stream``) an iterator of ``chat.completion.chunk`` events."""
         self.check_model(body.model)
         prompt = self.chat_template.render(body.message_dicts(), body.add_generation_prompt)
@@ -303,7 +303,7 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------------------------------- streaming
     async def _sse(self, events: EventStream, first: tuple, chunk: Callable, usage_chunk: Callable,
-                   prompts: list[list[int]], include_usage: bool, started: set[int]) -> AsyncIterator[str]:
+                   prompts: list[list[int]], include_usage: bool, started: set[int]) -> AsyncGenerator[str, None]:
         """Server-sent events for `events` (see the module docstring); closing the iterator (the client went
         away) cancels the sequences still running."""
         event = first
