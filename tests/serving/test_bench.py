@@ -60,7 +60,8 @@ def test_bench_with_aiperf_against_the_openai_api(tiny_engine, tmp_path, workloa
     (row,) = list(csv.DictReader(open(out / "bench.csv")))
     assert row["policy"] == "hisparse" and row["concurrency"] == "2" and int(row["requests"]) == 4
     assert float(row["tokens_per_request"]) == 6.0  # min_tokens = max_tokens, server-counted
-    assert float(row["token_throughput"]) > 0 and float(row["ttft_ms"]) > 0 and float(row["itl_ms"]) > 0
+    assert float(row["token_throughput"]) > 0 and float(row["ttft_ms"]) > 0
+    assert float(row["itl_ms"]) >= 0  # 0 when a request's text came in one event (the random model's bytes)
     assert (out / "bench.png").stat().st_size > 10_000
     export = out / "hisparse" / "aiperf-c2-r0" / "profile_export.jsonl"
     turns = sorted({json.loads(line)["metadata"]["turn_index"] for line in export.read_text().splitlines()})
