@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import heapq
-import os
 
 import torch
 
+from dhisparse.errors import DHiSparseError
 from dhisparse.kv.config import KVLayout
+from dhisparse.kv.host_memory import check_host_bytes, default_host_bytes
 from dhisparse.kv.mapped_host import MappedRows, map_chunks
 from dhisparse.kv.pinned_memory import Progress, touch_and_pin, unpin
 
@@ -18,12 +19,8 @@ HOST_VALID = 2  # the page holds its rows (write-once: a valid page never change
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 
-def default_host_bytes() -> int:
-    """Half of the machine's physical memory: the host store's capacity when none is configured."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 << 30
+class HostMemoryError(DHiSparseError):
+    """The host store could not allocate a chunk (the OS refused the memory); nothing was taken."""
 
 
 def _empty_host_cache() -> None:
@@ -68,12 +65,17 @@ class ChunkedRows:
     def ensure(self, rows: int) -> None:
         """Allocate chunks until global rows ``0 .. rows-1`` exist (never beyond the capacity). A new chunk starts
         at a multiple of the row size; views made by :meth:`mapped` before it are dropped (the next call includes
-        it)."""
+        it). Raises :class:`HostMemoryError` when the OS refuses a chunk (the chunks allocated before stay)."""
         if self.closed:
             raise RuntimeError("the host store was closed")
         while self.allocated_rows < min(rows, self.capacity_rows):
             n = min(self.chunk_rows, self.capacity_rows - self.allocated_rows)
-            self._add_chunk(torch.zeros((n + 1) * self.row_dim, dtype=self.dtype, pin_memory=self.pinned), n)
+            try:
+                memory = torch.zeros((n + 1) * self.row_dim, dtype=self.dtype, pin_memory=self.pinned)
+            except (RuntimeError, MemoryError) as error:  # torch: "DefaultCPUAllocator: can't allocate memory"
+                raise HostMemoryError(f"the host store could not allocate a chunk of {(n + 1) * self.row_dim} "
+                                      f"values ({error})") from error
+            self._add_chunk(memory, n)
 
     def _add_chunk(self, memory: torch.Tensor, rows: int) -> None:
         """Chunk of ``rows`` rows inside ``memory`` (``rows + 1`` rows long), starting at a multiple of the row size."""
@@ -194,7 +196,10 @@ class HostStore:
         - The capacity is ``host_bytes // page_bytes`` pages, fixed at construction. Memory is allocated in
           chunks of ``chunk_bytes`` (pinned when the device is CUDA) as pages are first handed out; a chunk
           never moves, so nothing is ever copied to grow the store. :meth:`allocate` refuses (returns
-          ``None``) when fewer pages are free than asked for: admission then waits.
+          ``None``) when fewer pages are free than asked for: admission then waits. A chunk the OS refuses raises
+          :class:`HostMemoryError` from :meth:`back` / :meth:`allocate` with nothing taken.
+        - A configured ``host_bytes`` beyond the memory this process may use (physical, or its cgroup's limit) is
+          refused at construction; 0 means half of that (``kv/host_memory.py``).
         - Freed pages are overwritten with NaN when ``poison_freed`` (tests).
     """
 
@@ -206,6 +211,8 @@ class HostStore:
         self.pinned = device.type == "cuda"
         self.poison_freed = poison_freed
         page_bytes = page_rows * layout.row_bytes
+        if host_bytes:
+            check_host_bytes(host_bytes)  # ConfigError at start, naming host_bytes and the limit
         self.host_bytes = host_bytes or default_host_bytes()
         self.num_pages = self.host_bytes // page_bytes
         # Pinned: a chunk and its spare alignment row stay within ``chunk_bytes`` (torch's pinned allocator rounds
@@ -241,14 +248,37 @@ class HostStore:
         self._frontier += 1
         return self._frontier - 1
 
+    def back(self, count: int) -> None:
+        """Make sure the next ``count`` pages :meth:`allocate` hands out have memory (allocating chunks now), so an
+        admission can find out before it reserves anything else. Raises :class:`HostMemoryError`."""
+        if 0 < count <= self.free_pages:
+            reused = min(count, len(self._freed))  # freed ids lie below the frontier: their chunks exist
+            self.rows.ensure((self._frontier + count - reused) * self.page_rows)
+
     def allocate(self, count: int) -> torch.Tensor | None:
-        """Take ``count`` pages (lowest ids first) as int64 page ids on CPU, or ``None`` if fewer are free."""
+        """Take ``count`` pages (lowest ids first) as int64 page ids on CPU, or ``None`` if fewer are free. Raises
+        :class:`HostMemoryError` (with every page given back) when their memory cannot be allocated."""
         if count > self.free_pages:
             return None
         ids = [self._take() for _ in range(count)]
         if ids:
-            self.rows.ensure((max(ids) + 1) * self.page_rows)
+            try:
+                self.rows.ensure((max(ids) + 1) * self.page_rows)
+            except HostMemoryError:
+                for page in ids:  # nothing taken: the store is as before
+                    heapq.heappush(self._freed, page)
+                self._fold_frontier()
+                raise
         return torch.tensor(ids, dtype=torch.int64)
+
+    def _fold_frontier(self) -> None:
+        """Freed ids just below the frontier become never-used again (keeps ``_freed`` below the frontier small)."""
+        freed = set(self._freed)
+        while self._frontier - 1 in freed:
+            self._frontier -= 1
+            freed.discard(self._frontier)
+        self._freed = sorted(freed)
+        heapq.heapify(self._freed)
 
     def free(self, pages: torch.Tensor) -> None:
         ids = pages.flatten().tolist()

@@ -48,7 +48,7 @@ from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
 from dhisparse.kv.copies import CopyEngine, CopyError, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
-from dhisparse.kv.host_store import HostStore
+from dhisparse.kv.host_store import HostMemoryError, HostStore  # [#29] HostMemoryError
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.prefill_stream import StreamedPrefillKV
 from dhisparse.kv.prefix_cache import CachedPage
@@ -184,11 +184,33 @@ class KVManager:
         elif not self._host_pages_free(host_needed, hit):
             deficit = 1  # host pages are short: wait for a release
             self.counters["admission_refusals_host"] += 1
+        if deficit <= 0 and self.policy.uses_host and not self._host_memory_backed(host_needed, hit):  # [#29]
+            deficit = 1  # [#29] the OS refused host memory: wait for other requests' host pages to come back
         if deficit > 0:
             self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
             self.check_budget()
             return False
         self._admit(request_id, prompt_len, max_new_tokens, fp, hit)
+        return True
+
+    def _host_memory_backed(self, count: int, hit: list[CachedPage]) -> bool:
+        """[#29] Allocate the host memory of the ``count`` pages this admission takes before anything is reserved.
+        Refused by the OS: evict the cached pages nobody holds (never ``hit``; their memory is reused) and try again.
+        False: still refused while requests hold host pages (the admission waits for theirs); with none held but the
+        cache's, the :class:`HostMemoryError` is raised and fails this request only (nothing was taken)."""
+        try:
+            self.host.back(count)
+        except HostMemoryError:
+            with self.prefix.pinned(hit):
+                evicted = self.prefix.evict_all()
+            try:
+                if not evicted:
+                    raise
+                self.host.back(count)
+            except HostMemoryError:
+                if self.host.used_pages <= self.prefix.host_pages_owned():
+                    raise
+                return False
         return True
 
     def _host_pages_free(self, count: int, hit: list[CachedPage]) -> bool:

@@ -37,7 +37,7 @@ import torch
 from dhisparse.kv.config import KVConfig, KVLayout
 from dhisparse.kv.copies import ReaderFence
 from dhisparse.kv.device_pool import DevicePool
-from dhisparse.kv.host_store import HOST_VALID, HostStore
+from dhisparse.kv.host_store import HOST_VALID, HostMemoryError, HostStore
 from dhisparse.kv.prefix_cache import CachedPage, PrefixCache, cache_salt, page_keys
 from dhisparse.kv.prefix_device import DeviceCopies, map_cached_copies, publish_copies, unmap_shared
 from dhisparse.kv.prefix_keys import key_host_pages, load_prefix_keys, save_page_keys
@@ -164,7 +164,10 @@ class PrefixReuse:
         for i in range(len(held), min(pages, len(keys))):
             if keys[i] in self.cache.entries or not bool((req.host_state[:, i] == HOST_VALID).all()):
                 break
-            key_pages = self._host_pages(self.key_pages_per_entry)
+            try:
+                key_pages = self._host_pages(self.key_pages_per_entry)
+            except HostMemoryError:  # the OS refused the keys' memory: the page stays private (caching is optional)
+                break
             if key_pages is None:
                 break
             save_page_keys(self.pool, self.layout, self.host, req, i, key_pages)
@@ -241,6 +244,10 @@ class PrefixReuse:
             "prefix_device_pages": float(device_pages),
             "prefix_device_bytes": float(device_pages * self.pool.page_bytes),
         }
+
+    def host_pages_owned(self) -> int:
+        """Host pages the cache owns (rows and packed keys of every entry)."""
+        return (self.layout.num_sources + self.key_pages_per_entry) * len(self.cache)
 
     def owned_host_pages(self) -> torch.Tensor:
         pages = [torch.cat([e.host_pages, e.key_pages]) for e in self.cache.entries.values()]
