@@ -1,16 +1,24 @@
 """`dhisparse-bench --workload multi-turn` at tiny scale: two real dhisparse-serve processes (prefix reuse on and off),
 conversations through Triton's `dhisparse` model with tensorrtllm_backend's perf outputs. Later turns find the
 earlier turns' pages cached (`kv_cache_reused_blocks`), prefill only the rest, answer exactly as without reuse, and
-both servers' /metrics agree with what the responses said."""
+both servers' /metrics agree with what the responses said.
+
+Behind DHISPARSE_SLOW=1 (two servers, ~35-65 s): the tool's own run. Reuse through Triton with its perf outputs and
+exact replies is shown in the default suite by tests/serving/test_openai.py's multi-turn chat (cached_tokens come from
+the same kv_cache_reused_block(s) outputs)."""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.skipif(not os.environ.get("DHISPARSE_SLOW"), reason="two servers, ~35-65 s; DHISPARSE_SLOW=1")
 def test_multi_turn_workload_reuses_earlier_turns_through_triton(tiny_engine, tmp_path) -> None:
     out = tmp_path / "multiturn"
     cmd = [sys.executable, "-m", "dhisparse_client.bench", "--engine", str(tiny_engine), "--workload", "multi-turn",
