@@ -1,0 +1,242 @@
+"""One rank: a process holding its slice of the model, its own KV store and an ``LLMEngine`` over them.
+
+Every rank runs the same engine code (scheduler, executor, KV store) on its slice: under tensor parallelism every
+rank holds every request of the engine and must take the same decisions (their digests are compared every step by
+the driver); under data-parallel attention each rank holds the requests of its own group. The control loop
+(:func:`control_loop`) receives each command from rank 0 (which gets it from the driver), applies it to the
+engine, and gathers the replies on rank 0 for the driver.
+
+Fatal conditions — a collective failed or timed out, a forward stopped half-way (its collectives can no longer be
+paired), the driver went away — end the process with :data:`FATAL_EXIT` after reporting on the error queue (local
+ranks): the other ranks' collectives then fail at once (the peer's connections close) instead of waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dhisparse.engine.llm_engine import LLMEngine
+from dhisparse.engine.loading import load_engine_parts
+from dhisparse.engine.parallel.group import CollectiveError, RankCollectives
+from dhisparse.engine.parallel.messages import (
+    Abort,
+    Add,
+    Command,
+    Heartbeat,
+    NeverAdmissible,
+    Op,
+    PollIdle,
+    Ready,
+    Reply,
+    Shutdown,
+    Step,
+)
+from dhisparse.engine.parallel.model import parallelize
+from dhisparse.engine.parallel.shape import ParallelShape
+from dhisparse.engine.parallel.sharding import shard_weights
+from dhisparse.engine.request import RequestUpdate
+from dhisparse.errors import EngineDeadError, InvalidRequestError
+
+FATAL_EXIT = 70  # a rank that cannot go on
+CONTROL_TIMEOUT_FLOOR_S = 600.0  # control collectives wait for the slowest rank's whole step or model load
+TIMING_STATS = ("seconds", "_s", "time")  # statistics that depend on the clock, not on decisions
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """What every rank is started with (rank 0 broadcasts it to ranks started on other hosts, which keep their own
+    ``engine_dir``). ``threads``: intra-op threads per rank (0: torch's default)."""
+
+    engine_dir: str
+    overrides: dict[str, Any]
+    shape: ParallelShape
+    master_addr: str
+    master_port: int
+    timeout_s: float
+    threads: int = 1
+    config_digest: str = ""  # of the engine's config.json (ranks on other hosts check theirs against it)
+    local_ranks: tuple[int, ...] = field(default=())
+
+
+def config_digest(engine_dir: str | Path) -> str:
+    return hashlib.sha256((Path(engine_dir) / "config.json").read_bytes()).hexdigest()[:16]
+
+
+class RankWorker:
+    """This rank's engine over its slice of the model (built in the constructor)."""
+
+    def __init__(self, rank: int, launch: RankLaunch, local_index: int) -> None:
+        self.rank, self.shape = rank, launch.shape
+        overrides = dict(launch.overrides)
+        device = overrides.get("device", "cpu")
+        if str(device).startswith("cuda"):
+            overrides["device"] = f"cuda:{local_index}"  # one device per local rank
+
+        def shard(weights: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+            launch.shape.check_model(cfg)
+            return shard_weights(weights, cfg, launch.shape, rank)
+
+        config, model, speculator = load_engine_parts(launch.engine_dir, shard=shard, **overrides)
+        self.comm = RankCollectives(launch.shape, rank, model.device)
+        self.idle_forward = parallelize(model, launch.shape, self.comm)
+        self.engine = LLMEngine(model, config, speculator)
+        self.group = launch.shape.dp_rank(rank)
+
+    def ready(self) -> Ready:
+        e = self.engine
+        return Ready(self.rank, e.cfg, e.workspace, e.max_model_len, e.max_new_tokens_limit, self.stats(),
+                     socket.gethostname())
+
+    def stats(self) -> dict[str, float]:
+        return {**self.engine.stats(), **self.comm.stats()}
+
+    # ------------------------------------------------------------------------------------------ commands
+    def handle(self, cmd: Command) -> Reply:
+        if isinstance(cmd, NeverAdmissible):
+            return Reply(self.rank, answer=self.engine.kv.never_admissible(cmd.prompt_len, cmd.max_new_tokens))
+        assert isinstance(cmd, Step | PollIdle), cmd
+        updates = self._apply(cmd.ops)
+        engine = self.engine
+        if isinstance(cmd, Step) and engine.dead is None and engine.has_unfinished():
+            updates += engine.step()
+        elif engine.dead is None:
+            engine.poll_idle()
+        if isinstance(cmd, Step):
+            self.comm.drain(self.idle_forward)
+        if self.comm.broken is not None or self.comm.forward_open:
+            raise CollectiveError(self.comm.broken or "a forward stopped half-way: its collectives cannot be paired")
+        for update in updates:
+            if update.finished:
+                engine.requests.pop(update.request_id, None)
+        return Reply(self.rank, updates, digest(updates, engine.kv.stats()), self.stats(), dead=engine.dead)
+
+    def _apply(self, ops: tuple[Op, ...]) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        for op in ops:
+            if op.group != self.group:
+                continue
+            if isinstance(op, Add):
+                try:
+                    self.engine.add_request(op.prompt, op.params, op.request_id, seed=op.seed)
+                except (InvalidRequestError, EngineDeadError) as exc:
+                    updates.append(RequestUpdate(op.request_id, [], True, "error", error=str(exc)))
+            elif isinstance(op, Abort) and self.engine.abort_request(op.request_id, op.reason):
+                self.engine.pop_finished(op.request_id)
+        return updates
+
+
+def digest(updates: list[RequestUpdate], kv_stats: dict[str, float]) -> str:
+    """A hash of a step's outcome that tensor-parallel ranks must agree on: every update's tokens, finish and error,
+    and the KV store's decision counters and gauges (pages, bytes, resolution counts; not clock readings)."""
+    h = hashlib.sha256()
+    for u in updates:
+        h.update(repr((u.request_id, u.new_token_ids, u.finished, u.finish_reason, u.error)).encode())
+    for name in sorted(kv_stats):
+        if not any(t in name for t in TIMING_STATS):
+            h.update(f"{name}={kv_stats[name]!r};".encode())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+@dataclass
+class Channel:
+    """Rank 0's link to the driver (local queues) and the error queue of the ranks on the driver's host."""
+
+    from_driver: Any = None  # queue of Command (rank 0)
+    to_driver: Any = None  # queue of replies (rank 0)
+    errors: Any = None  # queue of (rank, message) (local ranks)
+    parent_pid: int = 0  # the driver's process (rank 0 exits when it is gone)
+
+
+def init_ranks(rank: int, world: int, launch_or_none: RankLaunch | None, addr: str, port: int, timeout_s: float
+               ) -> tuple[RankLaunch, Any]:
+    """Join the process group and the control group; every rank gets rank 0's launch description."""
+    backend = "gloo"
+    if launch_or_none is not None and str(launch_or_none.overrides.get("device", "cpu")).startswith("cuda"):
+        backend = "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=world, rank=rank,
+                            timeout=timedelta(seconds=timeout_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(CONTROL_TIMEOUT_FLOOR_S, 10 * timeout_s)))
+    box = [launch_or_none if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    launch = box[0]
+    assert isinstance(launch, RankLaunch)
+    return launch, control
+
+
+def control_loop(rank: int, worker: RankWorker, control: Any, channel: Channel, heartbeat_s: float) -> None:
+    world = worker.shape.world_size
+    while True:
+        cmd: Command | None = _next_command(channel, heartbeat_s) if rank == 0 else None
+        box = [cmd]
+        dist.broadcast_object_list(box, src=0, group=control)
+        cmd = box[0]
+        if isinstance(cmd, Heartbeat):
+            continue
+        if isinstance(cmd, Shutdown) or cmd is None:
+            return
+        reply = worker.handle(cmd)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(reply, gathered, dst=0, group=control)
+        if rank == 0:
+            channel.to_driver.put(gathered)
+
+
+def _next_command(channel: Channel, heartbeat_s: float) -> Command:
+    try:
+        return channel.from_driver.get(timeout=heartbeat_s)
+    except queue.Empty:
+        if channel.parent_pid and os.getppid() != channel.parent_pid:
+            return Shutdown()  # the driver is gone: end every rank
+        return Heartbeat()
+
+
+def run_rank(rank: int, world: int, launch: RankLaunch | None, channel: Channel, local_index: int = 0,
+             engine_dir: str | None = None, on_ready: Callable[[RankLaunch], None] | None = None) -> None:
+    """A rank's whole life: join, build, report ready, serve commands, and on a fatal error report and exit."""
+    try:
+        addr = launch.master_addr if launch else os.environ["MASTER_ADDR"]
+        port = launch.master_port if launch else int(os.environ["MASTER_PORT"])
+        timeout = launch.timeout_s if launch else float(os.environ.get("DHISPARSE_COLLECTIVE_TIMEOUT_S", "60"))
+        got, control = init_ranks(rank, world, launch, addr, port, timeout)
+        if engine_dir is not None:  # a rank on another host: its own copy of the engine directory
+            if config_digest(engine_dir) != got.config_digest:
+                raise RuntimeError(f"rank {rank}: {engine_dir}/config.json differs from the engine host's copy")
+            got = replace(got, engine_dir=engine_dir)
+        if got.threads:
+            torch.set_num_threads(got.threads)
+        if on_ready is not None:
+            on_ready(got)
+        worker = RankWorker(rank, got, local_index)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(worker.ready(), gathered, dst=0, group=control)
+        if rank == 0:
+            channel.to_driver.put(gathered)
+        control_loop(rank, worker, control, channel, heartbeat_s=min(5.0, got.timeout_s / 4))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: B036 - a rank must never be left running after a failure
+        message = f"rank {rank}: {type(exc).__name__}: {exc}"
+        if channel.errors is not None:
+            channel.errors.put((rank, message, traceback.format_exc()))
+        print(f"dhisparse {message}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(FATAL_EXIT)
+
+
+def spawned_rank(rank: int, world: int, launch: RankLaunch, channel: Channel, local_index: int) -> None:
+    """The target of a rank process the engine starts (``torch.multiprocessing`` spawn)."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(launch.threads or ""))
+    run_rank(rank, world, launch, channel, local_index)
+    os._exit(0)
