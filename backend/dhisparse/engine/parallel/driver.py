@@ -203,7 +203,7 @@ class ParallelEngine:
         with self._lock:
             try:
                 self.ranks.send(cmd)
-                replies = self.ranks.wait(self._step_timeout_s)
+                replies: list[Reply] = self.ranks.wait(self._step_timeout_s)
             except RankFailure as exc:
                 updates: list[RequestUpdate] = []
                 self._die(str(exc), updates)

@@ -44,7 +44,7 @@ def parallelize(model: Model, shape: ParallelShape, comm: RankCollectives) -> Ca
     if shape.attention_split > 1:
         model.lm_head = vocab_shard(model.lm_head, shape.attention_split, rank % shape.attention_split)
     hidden, dtype, device = cfg.hidden_size, model.dtype, model.device
-    layers: list = []
+    layers: list[GatheredTokens | ReplicatedTokens | DispatchedTokens] = []
     for i, mlp in enumerate(model.mlp):
         if isinstance(mlp, MoE | V4MoE):
             layers.append(_moe(mlp, shape, comm, hidden, dtype, cfg.n_routed_experts))
@@ -87,7 +87,10 @@ def _moe(moe: MoE | V4MoE, shape: ParallelShape, comm: RankCollectives, hidden: 
         def shared(x: torch.Tensor) -> torch.Tensor:
             return F.linear(v4_moe._swiglu(F.linear(x, gate_w), F.linear(x, up_w)), down_w)
 
-        route = v4_moe.route
+        def route(x2d: torch.Tensor, ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            assert ids is not None  # deepseek_v4 MoE layers always get their token ids
+            return v4_moe.route(x2d, ids)
+
         shared_fn: Callable[[torch.Tensor], torch.Tensor] | None = shared
     else:
         dsa_moe = moe

@@ -197,7 +197,8 @@ def control_loop(rank: int, worker: RankWorker, control: Any, channel: Channel, 
 
 def _next_command(channel: Channel, heartbeat_s: float) -> Command:
     try:
-        return channel.from_driver.get(timeout=heartbeat_s)
+        cmd: Command = channel.from_driver.get(timeout=heartbeat_s)
+        return cmd
     except queue.Empty:
         if channel.parent_pid and os.getppid() != channel.parent_pid:
             return Shutdown()  # the driver is gone: end every rank
