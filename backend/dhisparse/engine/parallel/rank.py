@@ -14,6 +14,7 @@ ranks): the other ranks' collectives then fail at once (the peer's connections c
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import socket
@@ -51,6 +52,7 @@ from dhisparse.engine.request import RequestUpdate
 from dhisparse.errors import EngineDeadError, InvalidRequestError
 
 FATAL_EXIT = 70  # a rank that cannot go on
+DRILL_ENV = "DHISPARSE_RANK_OVERRIDES"  # drills and tests only: {"<rank>": {runtime option: value}} for one rank
 CONTROL_TIMEOUT_FLOOR_S = 600.0  # control collectives wait for the slowest rank's whole step or model load
 TIMING_STATS = ("seconds", "_s", "time")  # statistics that depend on the clock, not on decisions
 
@@ -81,6 +83,8 @@ class RankWorker:
     def __init__(self, rank: int, launch: RankLaunch, local_index: int) -> None:
         self.rank, self.shape = rank, launch.shape
         overrides = dict(launch.overrides)
+        # Drills: one rank alone gets, e.g., a fault_injection spec (a rank that raises where the others do not).
+        overrides.update(json.loads(os.environ.get(DRILL_ENV, "{}")).get(str(rank), {}))
         device = overrides.get("device", "cpu")
         if str(device).startswith("cuda"):
             overrides["device"] = f"cuda:{local_index}"  # one device per local rank
