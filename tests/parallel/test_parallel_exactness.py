@@ -17,6 +17,8 @@ from parallel_engines import parallel_llm, tight_pool
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
+from dhisparse.engine.parallel.comm import DP_STEP_CLOSE_BYTES, ForwardShape, forward_comm_bytes
+from dhisparse.engine.parallel.shape import ParallelShape
 
 TP = dict(tensor_parallel_size=2)
 DP = dict(data_parallel_size=2)
@@ -81,10 +83,12 @@ def test_parallel_tokens_equal_single_process(case, tiny_engine, v4_engine, spec
     with parallel_llm(engine_dir, **overrides, **shape) as llm:
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected_greedy
         assert [o.token_ids for o in llm.generate(prompts, sampled)] == expected_sampled
+        if name == "glm_fsfs_sparse":
+            _check_decode_step_volume(llm, prompts[:2])
         llm.engine.poll_idle()
         stats = llm.stats()
     assert stats["parallel_world_size"] == 2
-    assert stats["requests_finished"] == 2 * len(prompts)
+    assert stats["requests_finished"] == 2 * len(prompts) + (2 if name == "glm_fsfs_sparse" else 0)
     if policy != "dense":
         assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0  # everything released
         assert stats["rank0_kv_pool_bytes"] == stats["rank1_kv_pool_bytes"] == overrides.get("pool_bytes", 256 << 20)
@@ -100,3 +104,54 @@ def test_parallel_tokens_equal_single_process(case, tiny_engine, v4_engine, spec
         assert stats["comm_bytes_attention_all_reduce"] > 0 and stats["comm_bytes_lm_head_all_gather"] > 0
     if shape.get("expert_parallel") and "data_parallel_size" in shape:
         assert stats["comm_bytes_moe_dispatch_all_to_all"] > 0
+
+
+def _check_decode_step_volume(llm: LLM, prompts: list[list[int]]) -> None:
+    """The bytes each rank passed to its collectives in one decode step equal the model of that step's shape
+    (``engine/parallel/comm.py``), layer type by layer type; under DP + EP the routing-dependent all-to-all volume
+    is checked for conservation (every row dispatched comes back) and its bounds."""
+    engine = llm.engine
+    shape = ParallelShape.of(llm.config)
+    rids = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in prompts]
+    engine.step()  # admission, prefill and the first decode
+    requests = [engine.requests[r] for r in rids]
+    assert all(len(r.output_token_ids) == 2 for r in requests)
+    before = engine.stats()
+    lengths = [r.prompt_len + len(r.output_token_ids) for r in requests]  # KV length after this step's token
+    engine.step()  # one pure decode step
+    after = engine.stats()
+    cfg, e = engine.model.cfg, 8  # float64
+    if shape.data_parallel:
+        forwards = [ForwardShape(1, 1, n) for n in lengths]  # placement: one request per group
+    else:
+        forwards = [ForwardShape(2, 1, max(lengths))]
+    model = forward_comm_bytes(cfg, shape, forwards, e)
+    dispatched_rows, returned_rows = [], []
+    for rank in range(shape.world_size):
+        measured = {k.removeprefix(f"rank{rank}_comm_bytes_"): after[k] - before.get(k, 0.0) for k in after
+                    if k.startswith(f"rank{rank}_comm_bytes_")}
+        measured = {k: v for k, v in measured.items() if v}
+        expected = dict(model[rank])
+        if shape.data_parallel:
+            expected["sync_all_gather"] += DP_STEP_CLOSE_BYTES
+        if shape.expert_parallel and shape.data_parallel:
+            moe_layers = sum(k != "dense" for k in cfg.mlp_layer_types)
+            row = cfg.hidden_size * e
+            dispatched = measured.pop("moe_dispatch_all_to_all", 0.0)
+            returned = measured.pop("moe_combine_all_to_all", 0.0)
+            assert dispatched % (row + 8) == 0 and returned % row == 0
+            assert dispatched / (row + 8) <= moe_layers * cfg.num_experts_per_tok  # one token on this rank
+            for key in ("moe_dispatch_all_to_all", "moe_combine_all_to_all"):
+                expected.pop(key)
+            dispatched_rows.append(dispatched / (row + 8))
+            returned_rows.append(returned / row)
+        assert measured == expected, rank
+    assert sum(dispatched_rows) == sum(returned_rows)  # every row sent to an expert's rank came back
+    total = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("comm_bytes_")}
+    per_rank_sum = {k: sum(after[f"rank{r}_{k}"] - before.get(f"rank{r}_{k}", 0.0) for r in range(2))
+                    for k in total}
+    assert total == per_rank_sum  # the engine's figure is every rank's traffic, summed
+    while any(engine.requests[r].finish_reason is None for r in rids):
+        engine.step()
+    for r in rids:
+        engine.pop_finished(r)
