@@ -40,7 +40,7 @@ from dhisparse.engine.parallel.messages import (
     Shutdown,
     Step,
 )
-from dhisparse.engine.parallel.rank import RankLaunch, config_digest
+from dhisparse.engine.parallel.rank import RankLaunch, config_digest, drills_from_env
 from dhisparse.engine.parallel.shape import ParallelShape
 from dhisparse.engine.parallel.stats import aggregate
 from dhisparse.engine.request import Request, RequestUpdate, Status
@@ -78,7 +78,7 @@ class ParallelEngine:
         self.model = ModelInfo(model_cfg, torch.device(config.device))
         addr, port, local = rendezvous(self.shape.world_size)
         launch = RankLaunch(str(engine_dir), dict(overrides), self.shape, addr, port, config.collective_timeout_s,
-                            threads, config_digest(engine_dir), local)
+                            threads, config_digest(engine_dir), local, drills_from_env())
         self.ranks = RankProcesses(launch)
         self._step_timeout_s = max(READY_TIMEOUT_FLOOR_S, 20 * config.collective_timeout_s)
         self._lock = threading.Lock()  # one command in flight (the loop thread steps, submitters validate)

@@ -102,7 +102,17 @@ class RankCollectives(Collectives):
         return recv.tolist()
 
     # ------------------------------------------------------------------------------- the model's seam
+    def usable(self) -> None:
+        """Raise :class:`CollectiveError` when this rank's collectives can no longer be paired with its peers': one
+        failed, or a forward stopped half-way (the peers are still inside it). Checked before any new collective
+        sequence (a forward, the drain), so a rank never issues a collective its peers are not running."""
+        if self.forward_open and self.broken is None:
+            self.broken = "a forward stopped half-way (an exception inside it): its collectives cannot be paired"
+        if self.broken is not None:
+            raise CollectiveError(f"rank {self.rank}: {self.broken}")
+
     def begin_forward(self, tokens: int) -> None:
+        self.usable()
         self.forward_open = True
         self.forwards += 1
         if self.world == 1:
@@ -137,6 +147,7 @@ class RankCollectives(Collectives):
     def drain(self, idle_forward: Callable[[], None]) -> None:
         """Data-parallel attention: after this rank's step, take part in the other ranks' remaining forwards
         (``idle_forward`` runs every collective layer with zero tokens) until no rank is active."""
+        self.usable()
         if not self.shape.data_parallel:
             return
         while self._sync_round(active=False, tokens=0):

@@ -1,4 +1,4 @@
-"""Start and supervise the ranks of one engine on this host (``torch.multiprocessing``, spawn).
+"""Start and supervise the ranks of one engine on this host (``torch.multiprocessing``, forkserver).
 
 Rendezvous: ``MASTER_ADDR`` / ``MASTER_PORT`` when set (ranks on several hosts; docs/parallel.md has the recipe),
 otherwise loopback and a free port. ``DHISPARSE_LOCAL_RANKS`` names the ranks this host starts (``"0-3"``,
@@ -21,8 +21,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from dhisparse.engine.parallel.rank import Channel, RankLaunch, spawned_rank
+from dhisparse.engine.parallel.rank import FATAL_EXIT, Channel, RankLaunch, spawned_rank
 from dhisparse.errors import ConfigError
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "collectives are broken")
 
 
 class RankFailure(RuntimeError):
@@ -70,8 +72,11 @@ class RankProcesses:
     """The ranks started on this host; rank 0 is the driver's link (``request`` / ``wait``)."""
 
     def __init__(self, launch: RankLaunch) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
         ctx.set_executable(python_executable())
+        # Ranks fork from a server process that imported the runtime once (the first engine of a process pays
+        # torch's import, later ones start in about a second); nothing of the caller's process is inherited.
+        ctx.set_forkserver_preload(["dhisparse.engine.parallel.rank"])
         world = launch.shape.world_size
         self.errors: Any = ctx.Queue()
         self.to_rank0: Any = ctx.Queue()
@@ -103,19 +108,32 @@ class RankProcesses:
                 raise RankFailure(f"the ranks did not answer within {timeout_s:.0f} s")
 
     def check(self) -> None:
-        try:
-            rank, message, _ = self.errors.get_nowait()
-            raise RankFailure(message if message.startswith("rank") else f"rank {rank}: {message}")
-        except queue.Empty:
-            pass
-        for rank, proc in self.processes.items():
-            if not proc.is_alive():
-                time.sleep(0.05)  # its own report, if it made one, says more than its exit code
-                try:
-                    _, message, _ = self.errors.get_nowait()
-                    raise RankFailure(message)
-                except queue.Empty:
-                    raise RankFailure(f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}") from None
+        """Raise :class:`RankFailure` if a local rank reported a failure or exited. When several did (one rank's
+        failure breaks its peers' collectives), the message names the cause, not its echoes: a rank that died on
+        its own (a signal, an unexpected exit code) first, then a failure that is not a lost peer connection."""
+        reports = self._drain_errors()
+        exited = {rank: proc.exitcode for rank, proc in self.processes.items() if not proc.is_alive()}
+        if not reports and not exited:
+            return
+        time.sleep(0.1)  # the other ranks' reports of the same failure arrive within moments
+        reports += self._drain_errors()
+        exited = {rank: proc.exitcode for rank, proc in self.processes.items() if not proc.is_alive()}
+        reported = {rank for rank, _ in reports}
+        for rank, code in sorted(exited.items()):
+            if code != FATAL_EXIT and rank not in reported:
+                how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+                raise RankFailure(f"rank {rank} (pid {self.processes[rank].pid}) {how}")
+        causes = [m for _, m in reports if not any(s in m for s in PEER_LOST)] or [m for _, m in reports]
+        raise RankFailure(causes[0] if causes else f"rank {min(exited)} exited with code {exited[min(exited)]}")
+
+    def _drain_errors(self) -> list[tuple[int, str]]:
+        out = []
+        while True:
+            try:
+                rank, message, _ = self.errors.get_nowait()
+            except queue.Empty:
+                return out
+            out.append((rank, message if message.startswith("rank") else f"rank {rank}: {message}"))
 
     def pids(self) -> dict[int, int]:
         return {rank: proc.pid for rank, proc in self.processes.items()}

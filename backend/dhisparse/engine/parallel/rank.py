@@ -71,6 +71,13 @@ class RankLaunch:
     threads: int = 1
     config_digest: str = ""  # of the engine's config.json (ranks on other hosts check theirs against it)
     local_ranks: tuple[int, ...] = field(default=())
+    drills: dict[str, dict[str, Any]] = field(default_factory=dict)  # DRILL_ENV of the driver: per-rank overrides
+
+
+def drills_from_env() -> dict[str, dict[str, Any]]:
+    """The per-rank overrides of :data:`DRILL_ENV` (drills and tests only), read where the engine starts."""
+    text = os.environ.get(DRILL_ENV, "")
+    return json.loads(text) if text else {}
 
 
 def config_digest(engine_dir: str | Path) -> str:
@@ -84,7 +91,7 @@ class RankWorker:
         self.rank, self.shape = rank, launch.shape
         overrides = dict(launch.overrides)
         # Drills: one rank alone gets, e.g., a fault_injection spec (a rank that raises where the others do not).
-        overrides.update(json.loads(os.environ.get(DRILL_ENV, "{}")).get(str(rank), {}))
+        overrides.update(launch.drills.get(str(rank), {}))
         device = overrides.get("device", "cpu")
         if str(device).startswith("cuda"):
             overrides["device"] = f"cuda:{local_index}"  # one device per local rank
@@ -118,10 +125,13 @@ class RankWorker:
             updates += engine.step()
         elif engine.dead is None:
             engine.poll_idle()
-        if isinstance(cmd, Step):
-            self.comm.drain(self.idle_forward)
-        if self.comm.broken is not None or self.comm.forward_open:
-            raise CollectiveError(self.comm.broken or "a forward stopped half-way: its collectives cannot be paired")
+        try:
+            if isinstance(cmd, Step):
+                self.comm.drain(self.idle_forward)  # checks first that no forward of this step stopped half-way
+            self.comm.usable()
+        except CollectiveError as exc:  # name what interrupted the forward (the engine ended its requests with it)
+            cause = next((u.error for u in updates if u.error), None)
+            raise CollectiveError(f"{exc}; the step's error: {cause}" if cause else str(exc)) from exc
         for update in updates:
             if update.finished:
                 engine.requests.pop(update.request_id, None)
@@ -236,6 +246,8 @@ def run_rank(rank: int, world: int, launch: RankLaunch | None, channel: Channel,
         message = f"rank {rank}: {type(exc).__name__}: {exc}"
         if channel.errors is not None:
             channel.errors.put((rank, message, traceback.format_exc()))
+            channel.errors.close()
+            channel.errors.join_thread()  # the queue's feeder thread must deliver it before the process ends
         print(f"dhisparse {message}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         os._exit(FATAL_EXIT)
 
