@@ -74,7 +74,7 @@ def forward_comm_bytes(cfg: ModelConfig | DeepseekV4Config, shape: ParallelShape
     out: list[dict[str, float]] = []
     for rank in range(world):
         f = forwards[shape.dp_rank(rank)]
-        v: collections.Counter[str] = collections.Counter()
+        v: dict[str, float] = collections.defaultdict(float)
         if not shape.data_parallel:
             v["sync_all_gather"] += INT64
             v["attention_all_reduce"] += cfg.num_hidden_layers * f.tokens * hidden * e
@@ -89,14 +89,14 @@ def forward_comm_bytes(cfg: ModelConfig | DeepseekV4Config, shape: ParallelShape
             v["sync_all_gather"] += 2 * INT64
             others = sum(tokens) - f.tokens
             for kind in kinds:
-                if max(tokens) == 0:
-                    continue
                 if kind == "moe" and shape.expert_parallel:
                     fraction = (world - 1) / world if remote_fraction is None else remote_fraction
                     assignments = f.tokens * cfg.num_experts_per_tok * fraction
                     v["moe_counts_all_to_all"] += (world - 1) * INT64
                     v["moe_dispatch_all_to_all"] += assignments * (hidden * e + INT64)
                     v["moe_combine_all_to_all"] += assignments * hidden * e  # symmetric loads: what comes back
+                    continue
+                if max(tokens) == 0:
                     continue
                 v[f"{kind}_all_gather"] += max(tokens) * (hidden * e + (INT64 if v4 else 0))
                 v[f"{kind}_all_to_all"] += others * hidden * e

@@ -16,11 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import queue
 import socket
 import sys
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -112,7 +110,7 @@ class RankWorker:
                      socket.gethostname())
 
     def stats(self) -> dict[str, float]:
-        return {**self.engine.stats(), **self.comm.stats()}
+        return {**self.engine.stats(), **self.comm.stats(), "process_id": float(os.getpid())}
 
     # ------------------------------------------------------------------------------------------ commands
     def handle(self, cmd: Command) -> Reply:
@@ -167,12 +165,16 @@ def digest(updates: list[RequestUpdate], kv_stats: dict[str, float]) -> str:
 # ------------------------------------------------------------------------------------------------ the loop
 @dataclass
 class Channel:
-    """Rank 0's link to the driver (local queues) and the error queue of the ranks on the driver's host."""
+    """A rank's connection to the driver (``multiprocessing.connection``; ranks on the driver's host only): rank 0
+    receives commands and sends replies over it, every local rank reports a fatal error on it before exiting.
+    Messages are ``("hello", rank, pid)``, ``("ready" | "reply", [per-rank objects])``, ``("error", rank, message,
+    traceback)`` from a rank, and a :class:`RankLaunch` then commands from the driver."""
 
-    from_driver: Any = None  # queue of Command (rank 0)
-    to_driver: Any = None  # queue of replies (rank 0)
-    errors: Any = None  # queue of (rank, message) (local ranks)
-    parent_pid: int = 0  # the driver's process (rank 0 exits when it is gone)
+    conn: Any = None
+
+    def send(self, *message: Any) -> None:
+        if self.conn is not None:
+            self.conn.send(message)
 
 
 def init_ranks(rank: int, world: int, launch_or_none: RankLaunch | None, addr: str, port: int, timeout_s: float
@@ -206,54 +208,54 @@ def control_loop(rank: int, worker: RankWorker, control: Any, channel: Channel, 
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(reply, gathered, dst=0, group=control)
         if rank == 0:
-            channel.to_driver.put(gathered)
+            channel.send("reply", gathered)
 
 
 def _next_command(channel: Channel, heartbeat_s: float) -> Command:
+    """The driver's next command; a heartbeat when none came within ``heartbeat_s``; ``Shutdown`` when the driver
+    is gone (its connection closed)."""
     try:
-        cmd: Command = channel.from_driver.get(timeout=heartbeat_s)
+        if not channel.conn.poll(heartbeat_s):
+            return Heartbeat()
+        cmd: Command = channel.conn.recv()
         return cmd
-    except queue.Empty:
-        if channel.parent_pid and os.getppid() != channel.parent_pid:
-            return Shutdown()  # the driver is gone: end every rank
-        return Heartbeat()
+    except (EOFError, OSError):
+        return Shutdown()
 
 
 def run_rank(rank: int, world: int, launch: RankLaunch | None, channel: Channel, local_index: int = 0,
-             engine_dir: str | None = None, on_ready: Callable[[RankLaunch], None] | None = None) -> None:
-    """A rank's whole life: join, build, report ready, serve commands, and on a fatal error report and exit."""
+             engine_dir: str | None = None, timeout_s: float = 0.0) -> int:
+    """A rank's whole life: join, build, report ready, serve commands; returns its exit code (0, or
+    :data:`FATAL_EXIT` after reporting a failure). ``launch`` None: a rank on another host (``engine_dir``: its
+    copy of the engine directory; the rendezvous from ``MASTER_ADDR`` / ``MASTER_PORT``; ``timeout_s`` must equal
+    the engine's ``collective_timeout_s``)."""
     try:
         addr = launch.master_addr if launch else os.environ["MASTER_ADDR"]
         port = launch.master_port if launch else int(os.environ["MASTER_PORT"])
-        timeout = launch.timeout_s if launch else float(os.environ.get("DHISPARSE_COLLECTIVE_TIMEOUT_S", "60"))
+        timeout = launch.timeout_s if launch else timeout_s
         got, control = init_ranks(rank, world, launch, addr, port, timeout)
         if engine_dir is not None:  # a rank on another host: its own copy of the engine directory
+            if got.timeout_s != timeout:
+                raise RuntimeError(f"rank {rank}: --collective-timeout-s {timeout} differs from the engine's "
+                                   f"collective_timeout_s {got.timeout_s}")
             if config_digest(engine_dir) != got.config_digest:
                 raise RuntimeError(f"rank {rank}: {engine_dir}/config.json differs from the engine host's copy")
             got = replace(got, engine_dir=engine_dir)
         if got.threads:
             torch.set_num_threads(got.threads)
-        if on_ready is not None:
-            on_ready(got)
         worker = RankWorker(rank, got, local_index)
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(worker.ready(), gathered, dst=0, group=control)
         if rank == 0:
-            channel.to_driver.put(gathered)
+            channel.send("ready", gathered)
         control_loop(rank, worker, control, channel, heartbeat_s=min(5.0, got.timeout_s / 4))
         dist.destroy_process_group()
+        return 0
     except BaseException as exc:  # noqa: B036 - a rank must never be left running after a failure
         message = f"rank {rank}: {type(exc).__name__}: {exc}"
-        if channel.errors is not None:
-            channel.errors.put((rank, message, traceback.format_exc()))
-            channel.errors.close()
-            channel.errors.join_thread()  # the queue's feeder thread must deliver it before the process ends
+        try:
+            channel.send("error", rank, message, traceback.format_exc())
+        except OSError:
+            pass  # the driver is gone
         print(f"dhisparse {message}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(FATAL_EXIT)
-
-
-def spawned_rank(rank: int, world: int, launch: RankLaunch, channel: Channel, local_index: int) -> None:
-    """The target of a rank process the engine starts (``torch.multiprocessing`` spawn)."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(launch.threads or ""))
-    run_rank(rank, world, launch, channel, local_index)
-    os._exit(0)
+        return FATAL_EXIT

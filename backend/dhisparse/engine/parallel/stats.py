@@ -14,19 +14,23 @@ from collections.abc import Sequence
 
 from dhisparse.engine.parallel.shape import ParallelShape
 
-PER_RANK = ("kv_pool_bytes", "kv_required_bytes", "kv_optional_bytes", "kv_spare_bytes", "kv_host_pages_used",
-            "requests_running", "requests_waiting", "workspace_bound_bytes")
+PER_RANK = ("process_id", "kv_pool_bytes", "kv_required_bytes", "kv_optional_bytes", "kv_spare_bytes",
+            "kv_host_pages_used", "requests_running", "requests_waiting", "workspace_bound_bytes")
+RANK_ONLY = ("process_id",)  # a rank's own figures, never summed into the engine's
 LARGEST = ("spec_ring_bytes_per_request", "spec_staging_bytes_per_request", "engine_dead")
 
 
 def aggregate(shape: ParallelShape, per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """The engine's statistics from each rank's (module docstring)."""
     if not shape.data_parallel:
-        out = {name: value for name, value in per_rank[0].items() if not name.startswith("comm_")}
+        out = {name: value for name, value in per_rank[0].items()
+               if not name.startswith("comm_") and name not in RANK_ONLY}
     else:
         out = {}
         for stats in per_rank:
             for name, value in stats.items():
+                if name in RANK_ONLY:
+                    continue
                 if name in LARGEST:
                     out[name] = max(out.get(name, value), value)
                 else:
