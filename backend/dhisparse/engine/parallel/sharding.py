@@ -55,13 +55,15 @@ def _shard_dsa(w: Weights, cfg: ModelConfig, shape: ParallelShape, rank: int) ->
     i0, i1 = shape.attention_slice(cfg.index_n_heads, rank)
     for i in range(cfg.num_hidden_layers):
         a = f"model.layers.{i}.self_attn."
-        w[a + "q_b_proj.weight"] = _rows(w[a + "q_b_proj.weight"], h0, h1, cfg.qk_head_dim)
-        w[a + "kv_b_proj.weight"] = _rows(w[a + "kv_b_proj.weight"], h0, h1, cfg.qk_nope_head_dim + cfg.v_head_dim)
-        w[a + "o_proj.weight"] = _cols(w[a + "o_proj.weight"], h0, h1, cfg.v_head_dim)
-        if cfg.indexer_types[i] == "full":
-            x = a + "indexer."
-            w[x + "wq_b.weight"] = _rows(w[x + "wq_b.weight"], i0, i1, cfg.index_head_dim)
-            w[x + "weights_proj.weight"] = _rows(w[x + "weights_proj.weight"], i0, i1)
+        if shape.attention_split > 1:  # data-parallel attention: every rank holds the whole attention
+            w[a + "q_b_proj.weight"] = _rows(w[a + "q_b_proj.weight"], h0, h1, cfg.qk_head_dim)
+            w[a + "kv_b_proj.weight"] = _rows(w[a + "kv_b_proj.weight"], h0, h1,
+                                              cfg.qk_nope_head_dim + cfg.v_head_dim)
+            w[a + "o_proj.weight"] = _cols(w[a + "o_proj.weight"], h0, h1, cfg.v_head_dim)
+            if cfg.indexer_types[i] == "full":
+                x = a + "indexer."
+                w[x + "wq_b.weight"] = _rows(w[x + "wq_b.weight"], i0, i1, cfg.index_head_dim)
+                w[x + "weights_proj.weight"] = _rows(w[x + "weights_proj.weight"], i0, i1)
         m = f"model.layers.{i}.mlp."
         if cfg.mlp_layer_types[i] == "dense":
             _split_mlp(w, m + "gate_proj.weight", m + "up_proj.weight", m + "down_proj.weight",
@@ -88,14 +90,15 @@ def _shard_v4(w: Weights, cfg: DeepseekV4Config, shape: ParallelShape, rank: int
     inter = cfg.moe_intermediate_size
     for i in range(cfg.num_hidden_layers):
         a = f"model.layers.{i}.self_attn."
-        w[a + "q_b_proj.weight"] = _rows(w[a + "q_b_proj.weight"], h0, h1, cfg.head_dim)
-        w[a + "sinks"] = _rows(w[a + "sinks"], h0, h1)
-        w[a + "o_a_proj.weight"] = _rows(w[a + "o_a_proj.weight"], g0, g1, cfg.o_lora_rank)
-        w[a + "o_b_proj.weight"] = _cols(w[a + "o_b_proj.weight"], g0, g1, cfg.o_lora_rank)
-        if cfg.layer_types[i] == CSA and cfg.owns_indexer(i):
-            x = a + "compressor.indexer."
-            w[x + "q_b_proj.weight"] = _rows(w[x + "q_b_proj.weight"], i0, i1, cfg.index_head_dim)
-            w[x + "scorer.weights_proj.weight"] = _rows(w[x + "scorer.weights_proj.weight"], i0, i1)
+        if shape.attention_split > 1:  # data-parallel attention: every rank holds the whole attention
+            w[a + "q_b_proj.weight"] = _rows(w[a + "q_b_proj.weight"], h0, h1, cfg.head_dim)
+            w[a + "sinks"] = _rows(w[a + "sinks"], h0, h1)
+            w[a + "o_a_proj.weight"] = _rows(w[a + "o_a_proj.weight"], g0, g1, cfg.o_lora_rank)
+            w[a + "o_b_proj.weight"] = _cols(w[a + "o_b_proj.weight"], g0, g1, cfg.o_lora_rank)
+            if cfg.layer_types[i] == CSA and cfg.owns_indexer(i):
+                x = a + "compressor.indexer."
+                w[x + "q_b_proj.weight"] = _rows(w[x + "q_b_proj.weight"], i0, i1, cfg.index_head_dim)
+                w[x + "scorer.weights_proj.weight"] = _rows(w[x + "scorer.weights_proj.weight"], i0, i1)
         m = f"model.layers.{i}.mlp."
         gate_up, down = m + "experts.gate_up_proj", m + "experts.down_proj"
         if shape.expert_parallel:
