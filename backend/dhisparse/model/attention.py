@@ -114,8 +114,9 @@ class IndexedMLA:
                 out_lat = torch.cat([self._attend_rows(kv, selection[:, s:s + tile], q_lat[:, s:s + tile],
                                                        q_rot[:, s:s + tile]) for s in range(0, q_len, tile)], dim=1)
         out = torch.einsum("bqhr,hvr->bqhv", out_lat, self.w_uv).reshape(b, q_len, -1)
-        out = self.collectives.attention_output(F.linear(out, self.o))  # row-parallel: the bias once, after the sum
-        return (out if self.o_bias is None else out + self.o_bias), selection
+        if self.o_bias is not None and self.collectives is not LOCAL:  # row-parallel: the bias once, after the sum
+            return self.collectives.attention_output(F.linear(out, self.o)) + self.o_bias, selection
+        return self.collectives.attention_output(F.linear(out, self.o, self.o_bias)), selection
 
     def _attend_rows(self, kv: StepKV, selection: torch.Tensor, q_lat: torch.Tensor, q_rot: torch.Tensor
                      ) -> torch.Tensor:
