@@ -186,3 +186,38 @@ def test_engine_config_round_trips_the_parallel_options(tmp_path) -> None:
     (tmp_path / "runtime.json").write_text(cfg.to_json())
     loaded = EngineConfig.load(tmp_path / "runtime.json")
     assert dataclasses.asdict(loaded) == dataclasses.asdict(cfg)
+
+
+def test_per_rank_statistics_are_labelled_gauges() -> None:
+    """``rank{r}_<stat>`` → the gauge ``dhisparse_rank_<stat>{…, rank="r"}``: one family for every rank's series."""
+    from dhisparse.serving.engine_metrics import EngineMetrics, per_rank
+
+    assert per_rank("rank1_kv_pool_bytes", {"model": "m"}) == ("rank_kv_pool_bytes", {"model": "m", "rank": "1"})
+    assert per_rank("kv_pool_bytes", {"model": "m"}) == ("kv_pool_bytes", {"model": "m"})
+
+    class Family:
+        GAUGE = "gauge"
+        made: list[str] = []
+
+        def __init__(self, name: str, description: str, kind: str) -> None:
+            self.name, self.series = name, {}
+            Family.made.append(name)
+
+        def Metric(self, labels: dict) -> Family.Series:
+            series = self.series[tuple(sorted(labels.items()))] = Family.Series()
+            return series
+
+        class Series:
+            value = None
+
+            def set(self, value: float) -> None:
+                self.value = value
+
+    class Pb:
+        MetricFamily = Family
+
+    metrics = EngineMetrics(Pb, {"model": "dhisparse"})
+    metrics.update({"kv_pool_bytes": 200.0, "rank0_kv_pool_bytes": 100.0, "rank1_kv_pool_bytes": 100.0})
+    assert sorted(Family.made) == ["dhisparse_kv_pool_bytes", "dhisparse_rank_kv_pool_bytes"]
+    ranks = metrics._families["rank_kv_pool_bytes"].series
+    assert {dict(k)["rank"]: s.value for k, s in ranks.items()} == {"0": 100.0, "1": 100.0}

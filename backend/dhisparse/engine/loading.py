@@ -11,7 +11,7 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.executor import Model
-from dhisparse.errors import CheckpointError
+from dhisparse.errors import CheckpointError, ConfigError
 from dhisparse.model.loading import AnyConfig, build_model, load_any_state_dict, read_any_config
 from dhisparse.spec.speculator import Speculator
 
@@ -34,6 +34,10 @@ def load_engine_parts(engine_dir: str | Path, max_slots: int | None = None, shar
     model is built on the device (``engine/parallel/sharding.py``)."""
     engine_dir = Path(engine_dir)
     config = load_engine_config(engine_dir, **runtime_overrides)
+    if config.world_size > 1 and shard is None:
+        raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size} x data_parallel_size "
+                          f"{config.data_parallel_size}: several ranks are started by LLM / dhisparse-serve "
+                          "(engine/parallel); this component runs one process")
     model_cfg = read_any_config(engine_dir)
     device = torch.device(config.device)
     weights = load_any_state_dict(engine_dir, model_cfg, config.torch_dtype)

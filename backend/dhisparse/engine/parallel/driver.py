@@ -89,7 +89,6 @@ class ParallelEngine:
         self._group: dict[str, int] = {}
         groups = self.shape.data_parallel_size
         self._demand, self._running = [0] * groups, [0] * groups
-        self._final: dict[str, dict[str, float]] = {}
         self._never: dict[tuple[int, int], str | None] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._closed = False
@@ -116,6 +115,8 @@ class ParallelEngine:
                          self.max_new_tokens_limit)
         key = (len(prompt_token_ids), params.max_tokens)
         if key not in self._never:  # depends on the sizes and the (fixed) pool only: asked once per size
+            if len(self._never) >= 4096:
+                self._never.clear()
             replies = self._command(NeverAdmissible(*key))
             self._never[key] = replies[0].answer
         if self._never[key] is not None:
@@ -161,7 +162,7 @@ class ParallelEngine:
 
     def request_stats(self, req: Request) -> dict[str, float]:
         """The rank's figures from the request's finishing update (timing, counters, KV), else the driver's timing."""
-        return dict(self._final.get(req.request_id) or req.timing())
+        return dict(req.counters) if req.counters else req.timing()
 
     # ----------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestUpdate]:
@@ -253,7 +254,7 @@ class ParallelEngine:
                 req.output_log_probs.extend(u.new_log_probs)
                 req.cum_log_prob += sum(u.new_log_probs)
             if u.finished:
-                self._final[u.request_id] = u.stats
+                req.counters = dict(u.stats)  # the rank's figures (timing, counters, KV) for request_stats
                 self._finish(req, u.finish_reason or "error", u.error)
             out.append(u)
         return out
