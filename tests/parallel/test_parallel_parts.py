@@ -11,7 +11,13 @@ import torch
 from tiny_models import BASE, CONFIGS
 
 from dhisparse.engine.config import EngineConfig
-from dhisparse.engine.parallel.comm import DP_STEP_CLOSE_BYTES, ForwardShape, decode_comm_bytes, forward_comm_bytes
+from dhisparse.engine.parallel.comm import (
+    DP_STEP_CLOSE_BYTES,
+    ForwardShape,
+    ModelComm,
+    decode_comm_bytes,
+    forward_comm_bytes,
+)
 from dhisparse.engine.parallel.driver import least_loaded
 from dhisparse.engine.parallel.launch import parse_ranks
 from dhisparse.engine.parallel.mlp import combine
@@ -179,6 +185,12 @@ def test_communication_model_arithmetic() -> None:
     assert ep["sync_all_gather"] == 16 + DP_STEP_CLOSE_BYTES
     assert ep["total"] == pytest.approx(sum(v for k, v in ep.items() if k != "total"))
     assert forward_comm_bytes(cfg, ParallelShape(), [ForwardShape(1, 1, 1)], e) == [{}]
+    # the planner's description of the same model gives the same figures
+    described = ModelComm(hidden_size=h, vocab_size=cfg.vocab_size, num_layers=layers, dense_layers=1, moe_layers=3,
+                          experts_per_token=cfg.num_experts_per_tok, indexer_rates=(1, 1))
+    assert described == ModelComm.of(cfg)
+    assert decode_comm_bytes(described, ParallelShape(2, 1, True), 8, 4096, e) == \
+        decode_comm_bytes(cfg, ParallelShape(2, 1, True), 8, 4096, e)
 
 
 def test_engine_config_round_trips_the_parallel_options(tmp_path) -> None:
