@@ -36,5 +36,6 @@ KERNELS = "auto"  # auto | cuda | torch
 # Several ranks (engine/parallel/, docs/parallel.md): world size = tensor_parallel_size x data_parallel_size.
 TENSOR_PARALLEL_SIZE = 1  # ranks splitting attention heads, the indexer and dense layers (latent KV replicated)
 DATA_PARALLEL_SIZE = 1  # data-parallel attention ranks, each with its own requests and KV; MLP layers span all ranks
+TP_SPLIT_INDEXER = True  # TP: split the indexer's heads (scores all-reduced); False: each rank runs the whole indexer
 EXPERT_PARALLEL = False  # MoE experts partitioned across all ranks (data-parallel attention: all-to-all dispatch)
 COLLECTIVE_TIMEOUT_S = 60.0  # every torch.distributed collective between ranks fails after this many seconds

@@ -27,11 +27,13 @@ DP_EP = dict(data_parallel_size=2, expert_parallel=True)
 LENGTHS = [7, 23, 50, 31]
 NEW_TOKENS = 10
 
+TP_EP_WHOLE_INDEXER = dict(tensor_parallel_size=2, expert_parallel=True, tp_split_indexer=False)
+
 # (engine, shape, KV policy, tight pool, drafter)
 CASES = [
     ("glm_fsfs_sparse", TP, "adaptive", True, None),
     ("glm_fsfs_sparse", DP_EP, "hisparse", True, None),
-    ("dsv32_sparse_yarn", TP_EP, "resident", False, None),
+    ("dsv32_sparse_yarn", TP_EP_WHOLE_INDEXER, "resident", False, None),
     ("dsv32_sparse_yarn", DP, "dense", False, None),
     ("v4_small_topk", TP, "adaptive", True, None),
     ("v4_small_topk", DP_EP, "hisparse", False, None),
@@ -56,7 +58,10 @@ def _engine_dir(name: str, tiny_engine, v4_engine: Path, spec_engine: Path) -> P
 
 def _case_id(case) -> str:
     name, shape, policy, tight, drafter = case
-    parts = [name, "+".join(f"{k.split('_')[0]}{v}" if v is not True else "ep" for k, v in shape.items()), policy]
+    words = {"tensor_parallel_size": "tp", "data_parallel_size": "dp", "expert_parallel": "ep",
+             "tp_split_indexer": "whole-indexer"}
+    parts = [name, "+".join(words[k] + (str(v) if isinstance(v, int) and not isinstance(v, bool) else "")
+                            for k, v in shape.items()), policy]
     return "-".join(parts + (["tight"] if tight else []) + ([drafter] if drafter else []))
 
 
@@ -102,6 +107,8 @@ def test_parallel_tokens_equal_single_process(case, tiny_engine, v4_engine, spec
         assert stats["comm_idle_forwards"] >= 0 and stats["comm_bytes_sync_all_gather"] > 0
     else:
         assert stats["comm_bytes_attention_all_reduce"] > 0 and stats["comm_bytes_lm_head_all_gather"] > 0
+        # the indexer's scores are all-reduced only when its heads are split
+        assert (stats.get("comm_bytes_indexer_all_reduce", 0.0) > 0) == shape.get("tp_split_indexer", True)
     if shape.get("expert_parallel") and "data_parallel_size" in shape:
         assert stats["comm_bytes_moe_dispatch_all_to_all"] > 0
 

@@ -108,6 +108,20 @@ def test_weight_slices_add_back_up(shape: ParallelShape) -> None:
         assert torch.equal(torch.cat([s[shared] for s in slices]), whole[shared])
 
 
+def test_whole_indexer_under_tensor_parallelism() -> None:
+    cfg = _cfg(index_n_heads=5)
+    ParallelShape(2, split_indexer=False).check_model(cfg)  # the indexer's heads need not divide when not split
+    with pytest.raises(ConfigError, match="index_n_heads"):
+        ParallelShape(2).check_model(cfg)
+    whole = _weights(_cfg())
+    x = "model.layers.0.self_attn.indexer."
+    for rank in range(2):
+        mine = shard_weights(whole, _cfg(), ParallelShape(2, split_indexer=False), rank)
+        assert mine[x + "wq_b.weight"] is whole[x + "wq_b.weight"]
+        assert mine["model.layers.0.self_attn.q_b_proj.weight"].shape[0] * 2 == \
+            whole["model.layers.0.self_attn.q_b_proj.weight"].shape[0]
+
+
 def test_vocab_shard_pads_and_gathers_back() -> None:
     head = torch.randn(97, 8, dtype=torch.float64)
     shards = [vocab_shard(head, 2, r) for r in range(2)]
@@ -185,6 +199,8 @@ def test_communication_model_arithmetic() -> None:
     assert ep["sync_all_gather"] == 16 + DP_STEP_CLOSE_BYTES
     assert ep["total"] == pytest.approx(sum(v for k, v in ep.items() if k != "total"))
     assert forward_comm_bytes(cfg, ParallelShape(), [ForwardShape(1, 1, 1)], e) == [{}]
+    whole = forward_comm_bytes(cfg, ParallelShape(2, split_indexer=False), [ForwardShape(3, 1, 100)], e)[0]
+    assert "indexer_all_reduce" not in whole and whole["attention_all_reduce"] == tp[0]["attention_all_reduce"]
     # the planner's description of the same model gives the same figures
     described = ModelComm(hidden_size=h, vocab_size=cfg.vocab_size, num_layers=layers, dense_layers=1, moe_layers=3,
                           experts_per_token=cfg.num_experts_per_tok, indexer_rates=(1, 1))

@@ -52,6 +52,7 @@ class EngineConfig:
     tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # heads, indexer, dense layers split (engine/parallel)
     data_parallel_size: int = defaults.DATA_PARALLEL_SIZE  # data-parallel attention ranks (own requests and KV)
     expert_parallel: bool = defaults.EXPERT_PARALLEL  # MoE experts partitioned across ranks
+    tp_split_indexer: bool = defaults.TP_SPLIT_INDEXER  # TP: indexer heads split (else replicated on every rank)
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S  # every collective between ranks fails after this
 
     def __post_init__(self) -> None:

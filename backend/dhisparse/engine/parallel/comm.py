@@ -10,8 +10,9 @@ rank contributes per forward — an ``all_reduce`` the reduced tensor, an ``all_
 Per layer type:
 
 - ``attention`` (TP): the output projection's partial ``[tokens, hidden]``, all-reduced, every layer;
-- ``indexer`` (TP): the indexer scores ``[batch, query_len, keys]`` float32, all-reduced, every layer that owns an
-  indexer (``keys``: DSA the longest request's positions; deepseek_v4 its compressed entries, ``length // rate``);
+- ``indexer`` (TP with the indexer split, ``tp_split_indexer``): the indexer scores ``[batch, query_len, keys]``
+  float32, all-reduced, every layer that owns an indexer (``keys``: DSA the longest request's positions; deepseek_v4
+  its compressed entries, ``length // rate``); nothing when every rank runs the whole indexer;
 - ``lm_head`` (TP): the logits of this rank's vocabulary shard ``[rows, ceil(V / TP)]``, all-gathered;
 - ``dense`` / ``moe`` under TP: the partial output ``[tokens, hidden]``, all-reduced (with EP too: each rank's
   experts and shared-expert slice give a partial sum);
@@ -105,7 +106,7 @@ def forward_comm_bytes(cfg: ModelComm | ModelConfig | DeepseekV4Config, shape: P
         if not shape.data_parallel:
             v["sync_all_gather"] += INT64
             v["attention_all_reduce"] += m.num_layers * f.tokens * hidden * e
-            for rate in m.indexer_rates:
+            for rate in m.indexer_rates if shape.split_indexer else ():
                 v["indexer_all_reduce"] += f.tokens * (f.length // rate) * FLOAT32
             rows = f.batch if f.logits_rows is None else f.logits_rows
             v["lm_head_all_gather"] += rows * -(-m.vocab_size // shape.tensor_parallel_size) * e

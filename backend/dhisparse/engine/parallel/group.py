@@ -129,7 +129,7 @@ class RankCollectives(Collectives):
         return partial if self.shape.attention_split == 1 else self.sum(partial, "attention")
 
     def indexer_scores(self, partial: torch.Tensor) -> torch.Tensor:
-        return partial if self.shape.attention_split == 1 else self.sum(partial, "indexer")
+        return partial if self.shape.indexer_split == 1 else self.sum(partial, "indexer")
 
     def vocab_logits(self, shard: torch.Tensor, vocab_size: int) -> torch.Tensor:
         self.forward_open = False  # the output head is the forward's last step

@@ -36,6 +36,7 @@ class ParallelShape:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     expert_parallel: bool = False
+    split_indexer: bool = True  # TP: the indexer's heads are split too (False: every rank runs the whole indexer)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -46,7 +47,7 @@ class ParallelShape:
 
     @classmethod
     def of(cls, cfg: EngineConfig) -> ParallelShape:
-        return cls(cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.expert_parallel)
+        return cls(cfg.tensor_parallel_size, cfg.data_parallel_size, cfg.expert_parallel, cfg.tp_split_indexer)
 
     @property
     def world_size(self) -> int:
@@ -61,6 +62,16 @@ class ParallelShape:
     def attention_split(self) -> int:
         """Ranks one layer's attention heads are split across (1 under DP attention: each rank holds them all)."""
         return self.tensor_parallel_size
+
+    @property
+    def indexer_split(self) -> int:
+        """Ranks one layer's indexer heads are split across: the attention split, or 1 when the indexer is
+        replicated (its scores then need no all-reduce: each rank computes them all)."""
+        return self.attention_split if self.split_indexer else 1
+
+    def indexer_slice(self, total: int, rank: int) -> tuple[int, int]:
+        """This rank's ``[start, stop)`` of ``total`` indexer heads."""
+        return split_range(total, self.indexer_split, rank % self.indexer_split)
 
     def describe(self) -> str:
         parts = [f"TP {self.tensor_parallel_size}"] if self.tensor_parallel_size > 1 else []
@@ -89,7 +100,8 @@ class ParallelShape:
         tp, world = self.tensor_parallel_size, self.world_size
         if world == 1:
             return
-        needs = [("num_attention_heads", cfg.num_attention_heads, tp), ("index_n_heads", cfg.index_n_heads, tp)]
+        needs = [("num_attention_heads", cfg.num_attention_heads, tp), ("index_n_heads", cfg.index_n_heads,
+                                                                         self.indexer_split)]
         if isinstance(cfg, DeepseekV4Config):
             needs.append(("o_groups", cfg.o_groups, tp))
             if cfg.num_attention_heads % cfg.o_groups:

@@ -2,8 +2,9 @@
 device. Which slice follows ``ParallelShape`` (``shape.py``):
 
 - attention (TP): the heads of ``q_b``/``kv_b``/``o_proj`` (DSA) or whole output groups with their heads of
-  ``q_b``/``sinks``/``o_a``/``o_b`` (deepseek_v4), and the indexer heads (``wq_b``/``weights_proj``); the latent
-  row's projections, norms and the indexer key stay whole (every rank writes the same KV rows);
+  ``q_b``/``sinks``/``o_a``/``o_b`` (deepseek_v4), and the indexer heads (``wq_b``/``weights_proj``; whole when
+  ``tp_split_indexer`` is off); the latent row's projections, norms and the indexer key stay whole (every rank
+  writes the same KV rows);
 - dense MLPs and, without expert parallelism, every routed expert and the shared experts: a contiguous slice of the
   intermediate channels over all ranks (column-parallel gate/up, row-parallel down);
 - with expert parallelism: whole experts, ``n_routed_experts / world`` per rank; the shared experts are split like a
@@ -52,7 +53,7 @@ def _split_mlp(w: Weights, gate: str, up: str, down: str, start: int, stop: int)
 
 def _shard_dsa(w: Weights, cfg: ModelConfig, shape: ParallelShape, rank: int) -> None:
     h0, h1 = shape.attention_slice(cfg.num_attention_heads, rank)
-    i0, i1 = shape.attention_slice(cfg.index_n_heads, rank)
+    i0, i1 = shape.indexer_slice(cfg.index_n_heads, rank)
     for i in range(cfg.num_hidden_layers):
         a = f"model.layers.{i}.self_attn."
         if shape.attention_split > 1:  # data-parallel attention: every rank holds the whole attention
@@ -60,7 +61,7 @@ def _shard_dsa(w: Weights, cfg: ModelConfig, shape: ParallelShape, rank: int) ->
             w[a + "kv_b_proj.weight"] = _rows(w[a + "kv_b_proj.weight"], h0, h1,
                                               cfg.qk_nope_head_dim + cfg.v_head_dim)
             w[a + "o_proj.weight"] = _cols(w[a + "o_proj.weight"], h0, h1, cfg.v_head_dim)
-            if cfg.indexer_types[i] == "full":
+            if cfg.indexer_types[i] == "full" and shape.indexer_split > 1:
                 x = a + "indexer."
                 w[x + "wq_b.weight"] = _rows(w[x + "wq_b.weight"], i0, i1, cfg.index_head_dim)
                 w[x + "weights_proj.weight"] = _rows(w[x + "weights_proj.weight"], i0, i1)
@@ -86,7 +87,7 @@ def _shard_v4(w: Weights, cfg: DeepseekV4Config, shape: ParallelShape, rank: int
     g0, g1 = shape.attention_slice(cfg.o_groups, rank)
     heads_per_group = cfg.num_attention_heads // cfg.o_groups
     h0, h1 = g0 * heads_per_group, g1 * heads_per_group
-    i0, i1 = shape.attention_slice(cfg.index_n_heads, rank)
+    i0, i1 = shape.indexer_slice(cfg.index_n_heads, rank)
     inter = cfg.moe_intermediate_size
     for i in range(cfg.num_hidden_layers):
         a = f"model.layers.{i}.self_attn."
@@ -95,7 +96,7 @@ def _shard_v4(w: Weights, cfg: DeepseekV4Config, shape: ParallelShape, rank: int
             w[a + "sinks"] = _rows(w[a + "sinks"], h0, h1)
             w[a + "o_a_proj.weight"] = _rows(w[a + "o_a_proj.weight"], g0, g1, cfg.o_lora_rank)
             w[a + "o_b_proj.weight"] = _cols(w[a + "o_b_proj.weight"], g0, g1, cfg.o_lora_rank)
-            if cfg.layer_types[i] == CSA and cfg.owns_indexer(i):
+            if cfg.layer_types[i] == CSA and cfg.owns_indexer(i) and shape.indexer_split > 1:
                 x = a + "compressor.indexer."
                 w[x + "q_b_proj.weight"] = _rows(w[x + "q_b_proj.weight"], i0, i1, cfg.index_head_dim)
                 w[x + "scorer.weights_proj.weight"] = _rows(w[x + "scorer.weights_proj.weight"], i0, i1)
