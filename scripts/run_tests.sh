@@ -14,7 +14,7 @@ export DHISPARSE_STRICT="${DHISPARSE_STRICT:-1}"
 ruff check backend client engine_builder tests scripts
 # Package layering (import-linter contracts in pyproject.toml: no cycles, none hidden by a late import) and strict
 # static types on the engine and the KV side.
-PYTHONPATH=backend:engine_builder:client lint-imports
+PYTHONPATH=backend:engine_builder:client lint-imports --no-cache
 mypy -p dhisparse.engine -p dhisparse.kv
 start=$(date +%s)
 python -m pytest -q -p no:cacheprovider "$@" tests

@@ -10,7 +10,7 @@ Sizes are bytes, rows are KV rows (tokens of one source), ``0`` means "derived" 
 from __future__ import annotations
 
 DTYPE = "float32"  # weights, compute and KV rows
-DEVICE = "cpu"
+DEVICE = "auto"  # "auto": the GPU when torch sees one, else the CPU (dhisparse.device.resolve_device)
 KV_POLICY = "adaptive"
 POOL_BYTES = 256 << 20  # device KV budget; 0 ("auto"): the device's free memory less the workspace bound
 HOT_ROWS = 0  # B per request and source; 0: index_topk (one query's selection; verification overflow is staged)

@@ -66,6 +66,11 @@ class ServeProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._output: list[str] = []
 
+    @property
+    def pid(self) -> int | None:
+        """Process id of `dhisparse-serve` (None when not running)."""
+        return self._process.pid if self._process is not None else None
+
     def command(self) -> list[str]:
         """The full `dhisparse-serve` command line."""
         cmd = [*serve_command(), "--engine", str(self.engine), "--http-port", "0", "--grpc-port", "0",

@@ -20,7 +20,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, type=Path, help="engine directory to create")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight/compute dtype")
     p.add_argument("--force", action="store_true", help="overwrite an existing engine directory")
-    p.add_argument("--drafter", action="append", type=Path, default=[], help="drafter checkpoint to pack (repeatable)")
+    p.add_argument("--drafter", action="append", type=Path, default=[],
+                   help="drafter checkpoint to pack (repeatable): ours, z-lab DFlash, DFlash2, DeepSpec DSpark or a "
+                        "DeepSeek-V4 checkpoint with DSpark stages; packed under drafters/<family>")
     g = p.add_argument_group("runtime defaults (runtime.json; each can be overridden by LLM(...) / dhisparse-serve)")
     g.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
     g.add_argument("--pool-bytes", type=lambda v: 0 if v == "auto" else int(v), default=None,
@@ -30,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--reserve-bytes", type=int, default=None, help="admission reserve in bytes")
     g.add_argument("--max-batch-size", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--speculative", choices=["dflash2", "dspark"], default=None)
+    g.add_argument("--speculative", choices=["dflash", "dflash2", "dspark"], default=None,
+                   help="drafter family served by default (packed with --drafter)")
     g.add_argument("--num-draft-tokens", type=int, default=None)
     g.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="ranks splitting attention heads, the indexer and the MLPs (docs/parallel.md)")

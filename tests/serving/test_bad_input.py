@@ -13,7 +13,7 @@ CASES = [
     ("ensemble", {"max_tokens": 4}, "text_input"),
     ("ensemble", {"text_input": "", "max_tokens": 4}, "text_input is empty"),
     ("ensemble", {"text_input": ["a", "b"], "max_tokens": 4}, "text_input"),  # Triton: shape [1, 2] is not [1]
-    ("ensemble", {"text_input": "x" * (MAX_MODEL_LEN + 10), "max_tokens": 4}, "engine's maximum"),
+    ("ensemble", {"text_input": "x" * (MAX_MODEL_LEN + 10), "max_tokens": 4}, "limit max_prompt_tokens"),
     ("ensemble", {"text_input": "To be", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ("ensemble", {"text_input": "To be", "max_tokens": -3}, "max_tokens must be an integer >= 1"),
     ("ensemble", {"text_input": "To be", "max_tokens": MAX_MODEL_LEN + 1}, "exceeds the engine limit"),
@@ -39,7 +39,7 @@ CASES = [
     ("dhisparse", {"input_ids": [5, 6]}, "request_output_len"),
     ("dhisparse", {"input_ids": [5, 6], "input_lengths": 9, "request_output_len": 4}, "input_lengths 9"),
     ("dhisparse", {"input_ids": [5, 6], "request_output_len": 4, "embedding_bias": [0.0] * 400 + [1.0]},
-     "outside the vocabulary"),
+     "the vocabulary has 320 tokens"),
 ]
 
 

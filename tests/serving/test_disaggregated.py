@@ -37,7 +37,23 @@ BLOCKERS = 4  # context requests queued in front of the one that is cancelled du
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_engine, tmp_path_factory):
+def key_file(tmp_path_factory):
+    """The deployment's internal key, shared by the two servers (and by the tests that act as its orchestrator)."""
+    from dhisparse.serving.internal_auth import write_key_file
+
+    return write_key_file(tmp_path_factory.mktemp("keys") / "internal.key")
+
+
+def orchestrator_call(context, key_file, arrays: dict, request_id: str):
+    """``context.call`` as the orchestrator sends it: signed with the deployment's key (``internal_auth``)."""
+    from dhisparse.serving.internal_auth import AUTH_INPUT, CONTEXT, InternalAuth, request_subject
+
+    token = InternalAuth.from_key_file(key_file).token(CONTEXT, request_subject(request_id, arrays))
+    return context.call({**arrays, AUTH_INPUT: token}, request_id)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_engine, tmp_path_factory, key_file):
     """``(generation server, context server)``: two servers, or the same one twice (``TOPOLOGY = one``)."""
     from conftest import POOL_BYTES, ServedEngine, start_triton
 
@@ -45,7 +61,7 @@ def deployment(tiny_engine, tmp_path_factory):
     from dhisparse.serving.repository import RepositorySpec
 
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES}
-    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100)
+    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100, auth_key_file=key_file)
     servers = []
 
     def serve(name: str, options: DisaggregatedOptions) -> ServedEngine:
@@ -102,9 +118,13 @@ def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected)
     assert metrics["context_prefill_seconds"] > 0 and metrics["transfer_seconds"] > 0  # the TTFT split
 
 
-def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expected):
+def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expected, key_file):
+    """A client cannot reach `generation` (no orchestrator token); a signed request (as the orchestrator would send)
+    with malformed params gets an error naming them."""
     import numpy as np
     import tritonclient.grpc as grpcclient
+
+    from dhisparse.serving.internal_auth import AUTH_INPUT, GENERATION, InternalAuth, request_subject
 
     ids, _, _ = expected
     arrays = {"input_ids": np.array([ids[0]], dtype=np.int32), "input_lengths": np.array([[len(ids[0])]], np.int32),
@@ -113,13 +133,22 @@ def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expect
               "context_phase_params": np.array([[1, 2, 3]], dtype=np.uint8)}
     datatypes = {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL", np.dtype(object): "BYTES",
                  np.dtype(np.uint8): "UINT8"}
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatypes[array.dtype])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+
+    def inputs(values: dict) -> list:
+        out = []
+        for name, array in values.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), datatypes[array.dtype])
+            tensor.set_data_from_numpy(array)
+            out.append(tensor)
+        return out
+
+    client = disaggregated.client()
+    with pytest.raises(GenerationError, match="only its orchestrator"):
+        list(client.stream_results("generation", inputs(arrays), ["output_ids"], request_id="client-1"))
+    token = InternalAuth.from_key_file(key_file).token(GENERATION, request_subject("signed-1", arrays))
     with pytest.raises(GenerationError, match="context_phase_params"):
-        list(disaggregated.client().stream_inputs("generation", inputs, "output_ids"))
+        list(client.stream_results("generation", inputs({**arrays, AUTH_INPUT: token}), ["output_ids"],
+                                   request_id="signed-1"))
 
 
 def test_multi_token_stop_sequence_ends_the_generation_phase(disaggregated, expected):
@@ -173,7 +202,7 @@ def _wait_regions(context_server, done, timeout_s: float = 60.0) -> dict[str, fl
     return regions
 
 
-def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
+def test_context_cancel_request_frees_the_region_at_once(deployment, expected, key_file):
     """The control request the orchestrator sends on a cancellation: `cancel_request_id` frees that region now."""
     import numpy as np
 
@@ -183,15 +212,17 @@ def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
     _, context_server = deployment
     ids, tokens, _ = expected
     _wait_regions(context_server, lambda r: r["regions_held"] == 0)
-    context = RemoteContext(context_server.grpc_url)
+    from dhisparse.serving.internal_auth import InternalAuth, read_key_file
+
+    context = RemoteContext(context_server.grpc_url, auth=InternalAuth.from_key_file(key_file))
     try:
         arrays = {"input_ids": np.array([ids[0]], dtype=np.int32),
                   "input_lengths": np.array([[len(ids[0])]], dtype=np.int32),
                   "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
                   "request_type": np.array([[b"context_only"]], dtype=object)}
-        first, params = context.call(arrays, "probe-cancel")
+        first, params = orchestrator_call(context, key_file, arrays, "probe-cancel")
         assert first == tokens[0][0]
-        assert ContextPhaseParams.from_bytes(params).request_key.endswith("/probe-cancel")
+        assert ContextPhaseParams.from_bytes(params, read_key_file(key_file)).request_key.endswith("/probe-cancel")
         held = _wait_regions(context_server, lambda r: r["regions_held"] == 1)  # nobody reads it: it stays held
         freed = context.cancel("probe-cancel")  # freed by the control request, synchronously
         assert freed == 1, f"cancel freed {freed} regions; before it: {held}"
@@ -203,7 +234,7 @@ def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
     assert after["regions_expired"] == held["regions_expired"], (held, after)
 
 
-def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer):
+def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer, key_file):
     """A client cancels while its context phase runs (queued behind long prefills sent straight to `context`): the
     orchestrator frees its region at once with a `cancel_request_id` control request (not at the 600 s hold
     deadline), nothing expires, the generation side never took the request and returns to idle."""
@@ -220,10 +251,12 @@ def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer)
     arrays = {"input_ids": np.array([long_prompt], dtype=np.int32),
               "input_lengths": np.array([[len(long_prompt)]], dtype=np.int32),
               "request_output_len": np.array([[8]], dtype=np.int32)}
-    context = RemoteContext(context_server.grpc_url)
-    blockers = [threading.Thread(target=context.call, args=({**arrays, "request_type": np.array([[b"context_only"]],
-                                                                                                 dtype=object)},
-                                                            f"blocker-{i}")) for i in range(BLOCKERS)]
+    from dhisparse.serving.internal_auth import InternalAuth
+
+    context = RemoteContext(context_server.grpc_url, auth=InternalAuth.from_key_file(key_file))
+    blocker = {**arrays, "request_type": np.array([[b"context_only"]], dtype=object)}
+    blockers = [threading.Thread(target=orchestrator_call, args=(context, key_file, blocker, f"blocker-{i}"))
+                for i in range(BLOCKERS)]
     for thread in blockers:  # long prefills in front of the cancelled request's context phase
         thread.start()
     stats = grpcclient.InferenceServerClient(generation_server.grpc_url)

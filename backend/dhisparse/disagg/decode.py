@@ -40,6 +40,7 @@ import torch
 
 from dhisparse.disagg.nixl_transfer import NixlImporter, PendingRead, TransferError
 from dhisparse.disagg.params import ContextPhaseParams
+from dhisparse.disagg.trust import check_context  # [#29]
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.executor import Executor, Model, Sampled
 from dhisparse.engine.llm_engine import LLMEngine
@@ -75,7 +76,7 @@ class NixlImports:
         context = self.contexts.pop(req.request_id)
         try:
             self._post(req, context)
-        except (TransferError, ValueError) as error:  # ValueError: params that do not fit this engine's layout
+        except Exception as error:  # [#29] any failure to start the import: release the region, fail this request
             self.importer.release_remote(context)  # never pulled: the context may free its region now
             self.counters["transfers_failed"] += 1
             self.errors[req.request_id] = str(error)
@@ -140,7 +141,8 @@ class NixlImports:
                 continue
             try:
                 features = self._complete(req, pending, meta_start, target)
-            except (TransferError, ValueError) as failure:  # the READ completed: NIXL notified the context
+            except Exception as failure:  # [#29] any import failure fails this request, never the engine (the READ
+                # completed: NIXL notified the context)
                 ended.append(self._failed(req, str(failure)))
                 continue
             context = pending.context
@@ -267,6 +269,7 @@ class DecodeEngine:
         """Queue a request whose context phase ran elsewhere; returns its id."""
         prompt = [int(t) for t in prompt_token_ids]
         self.engine.validate(prompt, params)
+        check_context(context, self, prompt)  # [#29] the params fit this engine's layout and were made for this prompt
         if len(prompt) != context.layout.prompt_len:
             raise InvalidRequestError(f"context_phase_params describe a {context.layout.prompt_len}-token prompt, "
                                       f"the request has {len(prompt)} tokens")

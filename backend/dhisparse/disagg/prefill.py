@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dhisparse.disagg.nixl_transfer import NixlExporter
-from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name
+from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name, prompt_digest
 from dhisparse.engine.executor import BatchSampling
 from dhisparse.engine.loading import load_engine_parts
 from dhisparse.engine.request import Request
@@ -111,7 +111,7 @@ class PrefillService:
             request_key=key, agent_name=self.exporter.name, region_addr=addr, layout=layout,
             first_token=result.first_token, seed=result.seed,
             queue_s=max(0.0, started - arrival) if arrival is not None else 0.0, prefill_s=result.prefill_s,
-            hold_deadline_s=self.exporter.hold_timeout_s, agent_metadata=metadata,
+            hold_deadline_s=self.exporter.hold_timeout_s, prompt_sha256=prompt_digest(prompt), agent_metadata=metadata,
         )
 
     def poll(self) -> None:

@@ -16,7 +16,7 @@ from dhisparse.kv.policies import ENGINE_POLICIES, KVPolicy, policy_named
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 KV_POLICIES = ENGINE_POLICIES  # the hierarchy's policies and the dense reference (dhisparse.kv.policies)
-SPECULATIVE = (None, "dflash2", "dspark")
+SPECULATIVE = (None, "dflash", "dflash2", "dspark")  # drafter families (dhisparse.spec.published.formats)
 KV_DTYPES = ("auto", "fp8")
 KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection
 
@@ -73,7 +73,7 @@ class EngineConfig:
             raise ConfigError("index_key_dtype 'fp8' needs a KV hierarchy policy (resident, hisparse or adaptive), "
                               "not the dense reference store")
         if self.speculative not in SPECULATIVE:
-            raise ConfigError(f"speculative must be None, 'dflash2' or 'dspark', got {self.speculative!r}")
+            raise ConfigError(f"speculative must be None, 'dflash', 'dflash2' or 'dspark', got {self.speculative!r}")
         for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "page_rows",
                      "refill_pages_per_step", "num_draft_tokens", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.executor import Model
 from dhisparse.errors import CheckpointError, ConfigError
@@ -39,7 +40,7 @@ def load_engine_parts(engine_dir: str | Path, max_slots: int | None = None, shar
                           f"{config.data_parallel_size}: several ranks are started by LLM / dhisparse-serve "
                           "(engine/parallel); this component runs one process")
     model_cfg = read_any_config(engine_dir)
-    device = torch.device(config.device)
+    device = resolve_device(config.device)
     weights = load_any_state_dict(engine_dir, model_cfg, config.torch_dtype)
     if shard is not None:
         weights = shard(weights, model_cfg)
@@ -47,5 +48,6 @@ def load_engine_parts(engine_dir: str | Path, max_slots: int | None = None, shar
     speculator = None
     if config.speculative:
         speculator = Speculator(engine_dir / "drafters" / config.speculative, config.num_draft_tokens,
-                                max_slots or config.max_batch_size, model_cfg, device)
+                                max_slots or config.max_batch_size, model_cfg, device, target_model=model,
+                                max_context=config.max_model_len)
     return config, model, speculator

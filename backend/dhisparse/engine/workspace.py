@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
 from dhisparse.errors import ConfigError
 from dhisparse.kv.batch_state import BatchState
@@ -149,7 +150,7 @@ def plan_device(model_cfg: ModelConfig | DeepseekV4Config, cfg: EngineConfig, sp
         if workspace is None:
             raise ConfigError("pool_bytes 0 ('auto') needs the device workspace bound, which is not modelled "
                               "for deepseek_v4; set pool_bytes")
-        cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(torch.device(cfg.device), workspace))
+        cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(resolve_device(cfg.device), workspace))
     kv_config = None if policy.reference_store else cfg.kv_config(query_len, ring, max_model_len)
     return cfg, workspace, kv_config
 

@@ -21,7 +21,7 @@ import torch
 
 from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution, from_padded
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _STATUS_HOT_CACHE_TOO_SMALL = 1
 # Flags of resolve_step (DHS_STEP_* in c_api.h).
 STEP_BAD_POSITION, STEP_HOT_CACHE_OVERFLOW, STEP_NO_HOST_COPY, STEP_UNMAPPED = 1, 2, 4, 8

@@ -61,15 +61,9 @@ STEP_HOST = 3
 _POS_SENTINEL = torch.iinfo(torch.int64).max
 
 
-_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-
 def _empty(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A shared empty tensor (the on-device path's unused outputs; made once per device and dtype)."""
-    key = (device, dtype)
-    if key not in _EMPTY:
-        _EMPTY[key] = torch.zeros(0, dtype=dtype, device=device)
-    return _EMPTY[key]
+    """An empty tensor (the on-device path's unused outputs)."""
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 class HotCacheOverflowError(ValueError):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dhisparse.host_values import to_device
 from dhisparse.kernels.resolver import Resolution, resolve
 from dhisparse.kernels.torch_kernels import TorchKernels
 
@@ -190,6 +191,38 @@ def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, case
     return results
 
 
+def check_step_resolver(kernels: Any, device: torch.device, g: torch.Generator) -> list[CheckResult]:
+    """The one-launch step resolver (``resolve_step``: an index group for the whole batch, scattered slots, host
+    fetch lists, staging) against :meth:`TorchKernels.resolve_step` on random traces: every output and the hot state
+    left behind, exactly."""
+    from dhisparse.kernels.resolver_traces import step_outputs, step_trace
+
+    results = []
+    for staging, miss in ((0, 0.1), (0, 0.5), (90, 0.5)):
+        trace = step_trace(_randint(g, 0, 1 << 30), batch=_randint(g, 1, 6), sources=_randint(g, 2, 6), groups=2,
+                           queries=3 if staging else _randint(g, 1, 3), topk=_randint(g, 20, 70),
+                           hot_rows=50 if staging else 160, miss_rate=miss, page_rows=_randint(g, 2, 17),
+                           staging_rows=staging)
+        want, got = trace.clone(), trace.to(device)
+        want_out, got_out = step_outputs(want), step_outputs(got)
+        for kernel_set, state, out in ((TorchKernels(), want, want_out), (kernels, got, got_out)):
+            kernel_set.resolve_step(to_device([trace.stamp], torch.int64, state.positions.device), state.positions,
+                                    state.lengths, state.sources, state.slots, state.page_table, state.hot_pos,
+                                    state.hot_stamp, state.hot_loc, state.host_pages, state.staging,
+                                    trace.page_rows, out)
+        problem = None
+        for name in ("locations", "fetch_src", "fetch_dst", "counts", "staged", "flags"):
+            if not torch.equal(got_out[name].cpu(), want_out[name]):
+                problem = f"{name} differs from the reference"
+                break
+        for name in ("hot_pos", "hot_stamp"):
+            if problem is None and not torch.equal(getattr(got, name).cpu(), getattr(want, name)):
+                problem = f"{name} left differs from the reference"
+        results.append(CheckResult("step_resolver", f"B={trace.positions.shape[0]} N={trace.positions.shape[1]} "
+                                   f"staging={staging} miss={miss}", problem))
+    return results
+
+
 def check_row_copy(kernels: Any, device: torch.device, g: torch.Generator) -> list[CheckResult]:
     results = []
     for requests, per, row_values, dtype in ((3, 17, 576, torch.bfloat16), (7, 5, 81, torch.float32),
@@ -220,7 +253,11 @@ def check_sparse_mla(kernels: Any, device: torch.device, g: torch.Generator,
         kv = torch.randn(rows, rank + rope, generator=g).to(dtype)
         q_lat = torch.randn(b, q, h, rank, generator=g).to(dtype)
         q_pe = torch.randn(b, q, h, rope, generator=g).to(dtype)
-        locations = torch.randint(0, rows, (b, q, k), generator=g)
+        # A query's rows are distinct (its top-k); the queries of a request share most of them.
+        shared = torch.randperm(rows, generator=g)[:k]
+        mixed = [torch.where(torch.rand(k, generator=g) < 0.7, shared, torch.randperm(rows, generator=g)[:k])
+                 for _ in range(b * q)]
+        locations = torch.stack([_distinct(row, rows, g) for row in mixed]).view(b, q, k)
         locations[torch.rand(b, q, k, generator=g) < 0.15] = -1
         locations[0, q - 1] = -1  # a fully masked query: zeros
         scale = (rank + rope) ** -0.5
@@ -231,11 +268,24 @@ def check_sparse_mla(kernels: Any, device: torch.device, g: torch.Generator,
     return results
 
 
+def _distinct(row: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
+    """``row`` with repeated values replaced by unused rows (a query selects each row once)."""
+    out = row.clone()
+    seen: set[int] = set()
+    spare = iter(torch.randperm(rows, generator=g).tolist())
+    for i, value in enumerate(out.tolist()):
+        while value in seen:
+            value = next(spare)
+        seen.add(value)
+        out[i] = value
+    return out
+
+
 def run_self_check(kernels: Any, device: torch.device, seed: int = 0) -> list[CheckResult]:
     """Every kernel of ``kernels`` on random irregular inputs against the torch reference."""
     g = torch.Generator().manual_seed(seed)
-    return [*check_resolver(kernels, device, g), *check_row_copy(kernels, device, g),
-            *check_sparse_mla(kernels, device, g)]
+    return [*check_resolver(kernels, device, g), *check_step_resolver(kernels, device, g),
+            *check_row_copy(kernels, device, g), *check_sparse_mla(kernels, device, g)]
 
 
 def failures(results: list[CheckResult]) -> str | None:

@@ -43,7 +43,7 @@ from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
 from dhisparse.kv.copies import CopyEngine, CopyError, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
-from dhisparse.kv.host_store import HostStore
+from dhisparse.kv.host_store import HostMemoryError, HostStore  # [#29] HostMemoryError
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.prefill_stream import StreamedPrefillKV
 from dhisparse.kv.request_state import RequestKV
@@ -161,11 +161,25 @@ class KVManager:
             deficit = fp.required_bytes - self.pool.spare_bytes
         if deficit <= 0 and not self._host_pages_free(self.host_pages_needed(prompt_len, max_new_tokens)):
             deficit = 1  # host pages are short: wait for a release
+        if deficit <= 0 and self.policy.uses_host and not self._host_memory_backed(prompt_len, max_new_tokens):  # [#29]
+            deficit = 1  # [#29] the OS refused host memory: wait for other requests' host pages to come back
         if deficit > 0:
             self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
             self.check_budget()
             return False
         self._admit(request_id, prompt_len, max_new_tokens, fp)
+        return True
+
+    def _host_memory_backed(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """[#29] Allocate the host memory of the pages this admission takes before anything is reserved. False: the
+        OS refused it while other requests hold host pages (the admission waits for theirs); with none held, the
+        :class:`HostMemoryError` is raised and fails this request only (the engine ends it; nothing was taken)."""
+        try:
+            self.host.back(self.host_pages_needed(prompt_len, max_new_tokens))
+        except HostMemoryError:
+            if self.host.used_pages == 0:
+                raise
+            return False
         return True
 
     def _host_pages_free(self, count: int) -> bool:

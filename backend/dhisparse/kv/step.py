@@ -33,7 +33,14 @@ from dhisparse.host_values import to_device
 from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.index_keys import gather_keys
 from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_ON_DEVICE, OPT_READY, RequestKV
-from dhisparse.kv.resolution.common import FLAG_ERRORS, FLAG_MESSAGES, Resolved, StepParts, StepResolution
+from dhisparse.kv.resolution.common import (
+    FLAG_ERRORS,
+    FLAG_MESSAGES,
+    FLAG_UNMAPPED,
+    Resolved,
+    StepParts,
+    StepResolution,
+)
 
 
 def _history_direct(req: RequestKV) -> bool:
@@ -93,15 +100,14 @@ class StepKV:
         self.max_length = max(starts) + query_len  # known on the host, no read
         # The report (see report()): counts [B, 3], staged rows [B], flags, as views of one buffer, zeroed.
         self._report, self.counts, self.staged, self.flags = report
-        # Set by the resolution's set-up: starts, lengths, the page-table snapshot (a reclaim or a completed backup
-        # may unmap a page during the step while the step's readers still use it), the arena rows the new tokens'
-        # writes go to (per source [B*Q]) and their indexer keys' pages and offsets (per indexer layer [B, Q]).
-        self.starts = self.lengths = self.page_table = self._report
-        self.write_rows: tuple[torch.Tensor, ...] = ()
-        self.slot_index = self._report  # the slots as a CPU tensor, set by a resolution that reads them so
-        self.key_write: tuple[tuple[torch.Tensor, ...], torch.Tensor] = ((), self._report)
-        width = max(r.footprint.num_pages for r in requests)
-        resolution.setup(self, starts, width)
+        # The resolution's set-up: starts, lengths, the page-table snapshot (a reclaim or a completed backup may unmap
+        # a page during the step while the step's readers still use it), the arena rows the new tokens' writes go to
+        # (per source [B*Q]) and their indexer keys' pages and offsets (per indexer layer [B, Q]).
+        setup = resolution.setup(self, starts, max(r.footprint.num_pages for r in requests))
+        self.starts, self.lengths, self.page_table = setup.starts, setup.lengths, setup.page_table
+        self.write_rows, self.key_write, self._slot_index = setup.write_rows, setup.key_write, setup.slot_index
+        if setup.unmapped is not None:
+            self.flag(FLAG_UNMAPPED, setup.unmapped)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
         # that left the tail): resolution is a page-table lookup. Decided from host state, no device read.
         self.all_direct = all(_history_direct(r) for r in requests)
@@ -118,6 +124,12 @@ class StepKV:
         if value is None:
             value = self._slot_state[name] = make()
         return value
+
+    def slot_index_cpu(self) -> torch.Tensor:
+        """The step's slots as a CPU int64 tensor (the set-up's, or made here once)."""
+        if self._slot_index is None:
+            self._slot_index = torch.tensor(self.slots, dtype=torch.int64)
+        return self._slot_index
 
     def slot_rows(self, name: str) -> torch.Tensor:
         """The step's rows of one batch-state tensor: a view (consecutive slots) or a gathered copy, read once."""

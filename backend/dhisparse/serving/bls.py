@@ -25,6 +25,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from dhisparse.errors import InvalidRequestError
+from dhisparse.serving.internal_auth import AUTH_INPUT, CANCEL, InternalAuth
+from dhisparse.serving.limits import RequestLimits
 from dhisparse.serving.llm_outputs import PERF_METRIC_OUTPUTS
 from dhisparse.serving.text_processing import preprocess
 from dhisparse.serving.tokenization import TokenBytes
@@ -60,12 +62,21 @@ LLM_OUTPUTS = (
 )
 
 
-def llm_inputs(tokenizer: Tokenizer, inputs: dict[str, np.ndarray], add_special_tokens: bool) -> dict[str, np.ndarray]:
-    """Ensemble-style inputs -> the `dhisparse` model's inputs (tokenising as `preprocessing` does)."""
+def llm_inputs(tokenizer: Tokenizer, inputs: dict[str, np.ndarray], add_special_tokens: bool,
+               limits: RequestLimits | None = None) -> dict[str, np.ndarray]:
+    """Ensemble-style inputs -> the `dhisparse` model's inputs (tokenising as `preprocessing` does, after the
+    per-request limits are checked: `RequestLimits`)."""
+    limits = limits or RequestLimits()
+    limits.check_request_bytes(inputs)
     if "max_tokens" not in inputs:
         raise InvalidRequestError("max_tokens is missing")
+    if "num_return_sequences" in inputs:
+        sequences = np.asarray(inputs["num_return_sequences"]).reshape(-1)
+        queries = np.asarray(inputs.get("text_input", np.empty((1, 1), dtype=object)))
+        if sequences.size and sequences.dtype != object:
+            limits.check_batch(queries.shape[0] if queries.ndim else 1, int(sequences.max()))
     renamed = {key: inputs[name] for name, key in _PREPROCESSED.items() if name in inputs}
-    pre = preprocess(tokenizer, renamed, add_special_tokens)
+    pre = preprocess(tokenizer, renamed, add_special_tokens, limits)
     out = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
            "request_output_len": pre["REQUEST_OUTPUT_LEN"], "stop_words_list": pre["STOP_WORDS_IDS"],
            "bad_words_list": pre["BAD_WORDS_IDS"], "embedding_bias": pre["EMBEDDING_BIAS"],
@@ -103,9 +114,12 @@ class BLSService:
     """
 
     def __init__(self, pb: Any, tokenizer: Tokenizer, token_bytes: TokenBytes, llm_model: str = "dhisparse",
-                 add_special_tokens: bool = True) -> None:
+                 add_special_tokens: bool = True, limits: RequestLimits | None = None,
+                 auth: InternalAuth | None = None) -> None:
         self._pb, self._tokenizer, self._token_bytes = pb, tokenizer, token_bytes
         self._llm_model, self._add_special_tokens = llm_model, add_special_tokens
+        self._limits = limits or RequestLimits()
+        self._auth = auth  # signs the cancel control requests the `dhisparse` model accepts only from us
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self.cancel_poll_s = 0.1  # how often a request's cancellation is polled while no response arrives
@@ -136,7 +150,10 @@ class BLSService:
     def _cancel(self, request_id: str) -> None:
         # Its own request id: a control request sharing the target's id stalls the target's BLS stream.
         target = np.array([[request_id.encode()]], dtype=object)
-        control = self._llm_request({"cancel_request_id": target}, f"{request_id}-cancel")
+        arrays = {"cancel_request_id": target}
+        if self._auth is not None:
+            arrays[AUTH_INPUT] = self._auth.token(CANCEL, request_id)
+        control = self._llm_request(arrays, f"{request_id}-cancel")
         for _ in control.exec(decoupled=True):
             pass
 
@@ -144,7 +161,7 @@ class BLSService:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         sender = _GuardedSender(triton_sender, final)
         try:
-            arrays = llm_inputs(self._tokenizer, inputs, self._add_special_tokens)
+            arrays = llm_inputs(self._tokenizer, inputs, self._add_special_tokens, self._limits)
         except Exception as error:
             sender.send(error_response(self._pb, error), flags=final)
             return

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dhisparse.serving.repository import LLM_MODEL, RepositorySpec, fill_model_repository
+from dhisparse.serving.repository import LLM_MODEL, RepositorySpec, fill_model_repository, set_parameter
+from dhisparse.serving.ucx_binding import net_devices
 
 DISAGGREGATED_MODELS = ("context", "generation", "disaggregated_serving_bls")
 ORCHESTRATOR = "disaggregated_serving_bls"
@@ -38,6 +39,9 @@ class DisaggregatedOptions:
             to each other must have distinct names, so give each server of a fleet its own prefix.
         transfer_timeout_s: the generation side's limit for one READ.
         hold_timeout_s: how long the context side holds a region nobody reads or cancels.
+        address: the server's address; ``ucx_net_devices = "auto"`` binds UCX to its interface.
+        ucx_net_devices: ``UCX_NET_DEVICES`` of both agents (``auto``: the interface of ``address``).
+        arena_limit_bytes: the most bytes the context side holds for transfer at once (its arenas never exceed it).
     """
 
     role: str = "both"
@@ -45,6 +49,9 @@ class DisaggregatedOptions:
     nixl_agent_name: str = "dhisparse"
     transfer_timeout_s: float = 30.0
     hold_timeout_s: float = 60.0
+    address: str = "127.0.0.1"
+    ucx_net_devices: str = "auto"
+    arena_limit_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -61,6 +68,12 @@ class DisaggregatedOptions:
         for name in ("transfer_timeout_s", "hold_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.arena_limit_bytes < 1 << 20:
+            raise ValueError(f"arena_limit_bytes must be >= 1 MiB, got {self.arena_limit_bytes}")
+        if not re.fullmatch(r"[\w.:,-]*", self.ucx_net_devices):
+            raise ValueError(f"ucx_net_devices must be interface names (comma-separated) or auto, got "
+                             f"{self.ucx_net_devices!r}")
+        net_devices(self.ucx_net_devices, self.address)  # ValueError when no interface carries the address
 
     def models(self, has_tokenizer: bool) -> tuple[str, ...]:
         if self.role == "context":
@@ -70,28 +83,27 @@ class DisaggregatedOptions:
         return (*engines, *text)
 
 
-def set_parameter(config: Path, key: str, value: str) -> None:
-    """Set model parameter ``key`` of a filled ``config.pbtxt`` (replace its line, or append one)."""
-    text = config.read_text()
-    line = f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
-    pattern = re.compile(rf'^parameters \{{ key: "{re.escape(key)}" value: \{{ string_value: "[^"]*" \}} \}}$', re.M)
-    text, count = pattern.subn(lambda _: line, text)
-    config.write_text(text if count else text.rstrip("\n") + "\n" + line + "\n")
-
-
 def fill_disaggregated_repository(spec: RepositorySpec, output_dir: Path, templates_dir: Path | None = None,
                                   options: DisaggregatedOptions | None = None) -> list[str]:
     """Write the disaggregated repository (the models of ``options.role``) to ``output_dir``; returns their names."""
     options = options or DisaggregatedOptions()
+    if options.role != "both" and spec.auth_key_file is None:
+        raise ValueError(f"role {options.role!r}: the context and generation servers must share one key file "
+                         "(dhisparse-serve --auth-key-file PATH on both; create it with dhisparse-serve --new-key-file "
+                         "PATH)")
     models = fill_model_repository(spec, output_dir, templates_dir, options.models(spec.has_tokenizer))
+    devices = net_devices(options.ucx_net_devices, options.address)
     if "context" in models:
         config = output_dir / "context" / "config.pbtxt"
         set_parameter(config, "nixl.agent_name", f"{options.nixl_agent_name}-context")
         set_parameter(config, "nixl.hold_timeout_s", f"{options.hold_timeout_s:g}")
+        set_parameter(config, "nixl.arena_limit_bytes", str(options.arena_limit_bytes))
+        set_parameter(config, "nixl.ucx_net_devices", devices)
     if "generation" in models:
         config = output_dir / "generation" / "config.pbtxt"
         set_parameter(config, "nixl.agent_name", f"{options.nixl_agent_name}-generation")
         set_parameter(config, "nixl.transfer_timeout_s", f"{options.transfer_timeout_s:g}")
+        set_parameter(config, "nixl.ucx_net_devices", devices)
     if ORCHESTRATOR in models:
         set_parameter(output_dir / ORCHESTRATOR / "config.pbtxt", "context_url", options.context_url)
     if "ensemble" in models:

@@ -10,7 +10,9 @@ The supervisor thread wakes every `interval_s` to (1) poll each open request's `
 client that cancels or disconnects) and cancel it in the loop, which frees all its KV memory, and
 (2) copy `EngineLoop.stats()` into the custom metrics, (3) notice an engine that stopped after a fault it could
 not recover from (its clients already have their errors) and call `on_engine_dead` once: the Triton model then
-unloads itself so that its readiness turns false. All touch Triton from this one thread only.
+unloads itself so that its readiness turns false, (4) poll the drain signal (`DrainWatch`): once the server
+is shutting down new requests are refused, and open ones still running after the grace are stopped and answered
+with a `ShuttingDownError`. All touch Triton from this one thread only.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from dhisparse.engine.loop import EngineLoop
+from dhisparse.serving.drain import DrainWatch
 from dhisparse.serving.engine_metrics import EngineMetrics
 from dhisparse.serving.llm_outputs import ResponseBuilder
 from dhisparse.serving.llm_request import LLMRequest
@@ -40,8 +43,10 @@ class LLMService:
     """
 
     def __init__(self, pb: Any, loop: EngineLoop, metrics: EngineMetrics | None, interval_s: float = 0.25,
-                 on_engine_dead: Callable[[str], None] | None = None) -> None:
+                 on_engine_dead: Callable[[str], None] | None = None, drain: DrainWatch | None = None) -> None:
         self._pb = pb
+        self._drain = drain
+        self._stopped_for_shutdown: set[str] = set()  # requests ended by the drain: answered with its error
         self._on_engine_dead = on_engine_dead
         self._dead_reported = False
         self.loop = loop
@@ -66,8 +71,11 @@ class LLMService:
         engine request id.
 
         `client_id` (the Triton request id, may be empty) lets a later control request `cancel_client`
-        it. Raises InvalidRequestError (nothing queued, nothing sent) when the engine refuses the request.
+        it. Raises InvalidRequestError (nothing queued, nothing sent) when the engine refuses the request, and
+        ShuttingDownError once the server drains.
         """
+        if self._drain is not None:
+            self._drain.refuse_new_requests()
         request_id = f"triton-{next(self._ids)}"
         stream = self.loop.submit(request.prompt_token_ids, request.params.for_sequence(sequence_index), request_id)
         with self._lock:
@@ -84,6 +92,8 @@ class LLMService:
         """Serve every sequence of every prompt of one Triton request (`num_return_sequences` each) through one
         sender; its last response carries the final flag (see `ResponseGroup`). Every request is validated
         first: InvalidRequestError means nothing was started."""
+        if self._drain is not None:
+            self._drain.refuse_new_requests()
         for request in requests:
             for index in range(request.num_return_sequences):
                 self.loop.engine.validate(request.prompt_token_ids, request.params.for_sequence(index))
@@ -130,9 +140,13 @@ class LLMService:
                     if not update.finished:
                         self.loop.cancel(request_id, reason="stop")  # finished by a stop sequence
                 if self._was_cancelled(request_id):
-                    # Flags only: an error-carrying final response sent from this thread after earlier
-                    # streamed ones never reaches a BLS caller on Triton 2.51 (its stream stalls).
-                    self._send(sender, None, final=True)
+                    if request_id in self._stopped_for_shutdown:  # the server drains: the client learns why
+                        self._send_error(sender, self._drain.stopped() if self._drain else RuntimeError("stopped"),
+                                         sent_any)
+                    else:
+                        # Flags only: an error-carrying final response sent from this thread after earlier
+                        # streamed ones never reaches a BLS caller on Triton 2.51 (its stream stalls).
+                        self._send(sender, None, final=True)
                     done = True
                     continue
                 tokens = builder.add(update, keep)
@@ -154,6 +168,7 @@ class LLMService:
             with self._lock:
                 self._active.pop(request_id, None)
                 self._cancelled.discard(request_id)
+                self._stopped_for_shutdown.discard(request_id)
                 for client_id in [c for c, ids in self._by_client_id.items() if request_id in ids]:
                     self._by_client_id[client_id].remove(request_id)
                     if not self._by_client_id[client_id]:
@@ -198,12 +213,27 @@ class LLMService:
                     self._cancelled.add(request_id)
                     self._cancelled_total += 1
                 self.loop.cancel(request_id)
+            self._drain_expired()
             if self._metrics is not None:
                 self._metrics.update(self.stats())
             if not self.loop.alive and not self._dead_reported and not self._stop.is_set():
                 self._dead_reported = True  # every open stream has its error already (EngineLoop guarantees it)
                 if self._on_engine_dead is not None:
                     self._on_engine_dead(str(self.loop.error or "the engine loop stopped"))
+
+    def _drain_expired(self) -> None:
+        """Once the shutdown grace is over, stop every open request; its responder answers with the drain's error."""
+        if self._drain is None:
+            return
+        self._drain.poll()
+        if not self._drain.expired:
+            return
+        with self._lock:
+            ending = [rid for rid in self._active if rid not in self._cancelled]
+            self._cancelled.update(ending)
+            self._stopped_for_shutdown.update(ending)
+        for request_id in ending:
+            self.loop.cancel(request_id)
 
     def stats(self) -> dict[str, float]:
         """Engine statistics plus the serving layer's own counters."""

@@ -24,7 +24,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from dhisparse.errors import InvalidRequestError
-from dhisparse.serving.tokenization import TokenBytes, encode_prompt, word_list
+from dhisparse.serving.limits import RequestLimits
+from dhisparse.serving.tokenization import TokenBytes, encode_prompt, split_word_list, word_list
 
 PREPROCESSING_INPUTS = ("QUERY", "DECODER_QUERY", "REQUEST_OUTPUT_LEN", "STOP_WORDS_DICT", "BAD_WORDS_DICT",
                         "EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID", "PROMPT_TABLE_EXTRA_ID")
@@ -47,10 +48,22 @@ def _text(value: object, name: str) -> str:
         raise InvalidRequestError(f"{name} is not valid UTF-8: {error}") from error
 
 
-def _words(name: str, row: np.ndarray | None) -> list[str]:
+def _raw_words(row: np.ndarray | None) -> list[bytes]:
     if row is None:
         return []
-    return [_text(w, name) for w in row.reshape(-1) if w not in (b"", "")]
+    return [w if isinstance(w, bytes) else str(w).encode() for w in row.reshape(-1).tolist() if w not in (b"", "")]
+
+
+def _words(name: str, row: np.ndarray | None, limits: RequestLimits) -> list[str]:
+    raw = _raw_words(row)
+    limits.check_text_words(name, raw)  # before decoding or tokenising anything
+    return [_text(w, name) for w in raw]
+
+
+def _checked_word_list(tokenizer: Tokenizer, name: str, words: list[str], limits: RequestLimits) -> np.ndarray:
+    array = word_list(tokenizer, words)
+    limits.check_word_tokens(name, split_word_list(array))
+    return array
 
 
 def _scalar_or_missing(name: str, array: np.ndarray | None, batch: int) -> np.ndarray:
@@ -84,9 +97,15 @@ def _embedding_bias(tokenizer: Tokenizer, words: list[str], weights: np.ndarray 
     return bias
 
 
-def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
-               add_special_tokens: bool = True) -> dict[str, np.ndarray]:
-    """Tokenise each prompt of a request and its stop/bad/bias words (see the module docstring for layouts)."""
+def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray], add_special_tokens: bool = True,
+               limits: RequestLimits | None = None) -> dict[str, np.ndarray]:
+    """Tokenise each prompt of a request and its stop/bad/bias words (see the module docstring for layouts).
+
+    ``limits`` (default: :class:`RequestLimits`' defaults) are checked before any text is decoded or tokenised:
+    the request's bytes, its batch, each prompt's bytes and word lists; each prompt's tokens right after it is
+    tokenised. A request over a limit raises :class:`~dhisparse.serving.limits.LimitExceededError` naming it."""
+    limits = limits or RequestLimits()
+    limits.check_request_bytes(inputs)
     if "QUERY" not in inputs:
         raise InvalidRequestError("text_input is missing: send the prompt as text_input")
     queries = np.asarray(inputs["QUERY"])
@@ -96,6 +115,9 @@ def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
     queries = queries.reshape(batch, -1)
     if queries.shape[1] != 1:
         raise InvalidRequestError(f"text_input must hold exactly one prompt per batch row, got {queries.shape[1]}")
+    limits.check_batch(batch)
+    for query in queries[:, 0].tolist():
+        limits.check_prompt_bytes(len(query) if isinstance(query, (bytes, str)) else len(str(query)))
     for name, label in (("DECODER_QUERY", "decoder_text_input"), ("PROMPT_TABLE_EXTRA_ID", "prompt_table_extra_id")):
         if name in inputs and any(v not in (b"", "", 0) for v in np.asarray(inputs[name]).reshape(-1).tolist()):
             what = "encoder-decoder models" if name == "DECODER_QUERY" else "prompt-embedding tables"
@@ -112,12 +134,19 @@ def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
     prompts, stops, bads, biases = [], [], [], []
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     want_bias = "EMBEDDING_BIAS_WORDS" in inputs or "EMBEDDING_BIAS_WEIGHTS" in inputs
+    for b in range(batch):  # every row's word lists are checked before any prompt is tokenised
+        _words("stop_words", row("stop_words", "STOP_WORDS_DICT", b), limits)
+        _words("bad_words", row("bad_words", "BAD_WORDS_DICT", b), limits)
+        _words("embedding_bias_words", row("embedding_bias_words", "EMBEDDING_BIAS_WORDS", b), limits)
     for b in range(batch):
         prompts.append(encode_prompt(tokenizer, _text(queries[b, 0], "text_input"), add_special_tokens))
-        stops.append(word_list(tokenizer, _words("stop_words", row("stop_words", "STOP_WORDS_DICT", b))))
-        bads.append(word_list(tokenizer, _words("bad_words", row("bad_words", "BAD_WORDS_DICT", b))))
+        limits.check_prompt_tokens(len(prompts[-1]), "text_input")
+        stops.append(_checked_word_list(tokenizer, "stop_words",
+                                        _words("stop_words", row("stop_words", "STOP_WORDS_DICT", b), limits), limits))
+        bads.append(_checked_word_list(tokenizer, "bad_words",
+                                       _words("bad_words", row("bad_words", "BAD_WORDS_DICT", b), limits), limits))
         if want_bias:
-            words = _words("embedding_bias_words", row("embedding_bias_words", "EMBEDDING_BIAS_WORDS", b))
+            words = _words("embedding_bias_words", row("embedding_bias_words", "EMBEDDING_BIAS_WORDS", b), limits)
             weights = row("embedding_bias_weights", "EMBEDDING_BIAS_WEIGHTS", b)
             biases.append(_embedding_bias(tokenizer, words, weights, vocab))
     length = max(len(p) for p in prompts)

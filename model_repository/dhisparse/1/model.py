@@ -23,8 +23,10 @@ class TritonPythonModel:
         from dhisparse.serving import llm_request, repository, triton_tensors
         from dhisparse.serving.engine_metrics import EngineMetrics
         from dhisparse.serving.llm_service import LLMService
+        from dhisparse.serving.server_settings import ServerSettings
 
         self.requests, self.tensors = llm_request, triton_tensors
+        self.settings = ServerSettings.from_parameters(parameters)  # limits, internal key, drain
         overrides = {key.removeprefix("engine."): repository.parse_override(value)
                      for key, value in parameters.items() if key.startswith("engine.")}
         llm = LLM(parameters["engine_dir"], **overrides)
@@ -34,7 +36,8 @@ class TritonPythonModel:
         metrics = EngineMetrics(pb_utils, {"model": args["model_name"], "version": args["model_version"]})
         interval_s = float(parameters.get("metrics_interval_ms", "250")) / 1000.0
         self.name = args["model_name"]
-        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s, on_engine_dead=self._engine_dead)
+        self.service = LLMService(pb_utils, EngineLoop(llm), metrics, interval_s, on_engine_dead=self._engine_dead,
+                                  drain=self.settings.drain)
         self.exclude_input_default = parameters.get("exclude_input_in_output", "true").lower() == "true"
 
     def _engine_dead(self, reason: str) -> None:
@@ -45,13 +48,19 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                inputs = self.tensors.request_arrays(pb_utils, request, self.requests.LLM_INPUTS)
+                inputs = self.tensors.request_arrays(pb_utils, request, self.requests.CONTROLLED_INPUTS)
                 target = self.requests.cancel_target(inputs)
-                if target is not None or self.requests.stop_requested(inputs):  # control: dhisparse_bls / stop
-                    self.service.cancel_client(target if target is not None else request.request_id())
+                if target is not None:  # control request of dhisparse_bls, signed with the internal key
+                    self.settings.check_cancel(inputs, target, self.name)
+                    self.service.cancel_client(target)
                     sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     continue
-                parsed = self.requests.parse_llm_requests(inputs, self.exclude_input_default)
+                if self.requests.stop_requested(inputs):  # tensorrtllm's stop: off unless the deployment allows it
+                    self.settings.check_stop(self.name)
+                    self.service.cancel_client(request.request_id())
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
+                parsed = self.requests.parse_llm_requests(inputs, self.exclude_input_default, self.settings.limits)
                 self.service.start_all(parsed, sender, request.request_id())
             except Exception as error:  # bad input (ValueError), a stopped engine, anything: an error, never silence
                 sender.send(self.tensors.error_response(pb_utils, error),

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.parallel.launch import RankFailure, RankProcesses, rendezvous
 from dhisparse.engine.parallel.messages import (
@@ -75,10 +76,11 @@ class ParallelEngine:
         self.shape = ParallelShape.of(config)
         model_cfg = read_any_config(Path(engine_dir))
         self.shape.check_model(model_cfg)  # a clear error before any process starts
-        self.model = ModelInfo(model_cfg, torch.device(config.device))
+        self.model = ModelInfo(model_cfg, resolve_device(config.device))
         addr, port, local = rendezvous(self.shape.world_size)
+        backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         launch = RankLaunch(str(engine_dir), dict(overrides), self.shape, addr, port, config.collective_timeout_s,
-                            threads, config_digest(engine_dir), local, drills_from_env())
+                            threads, config_digest(engine_dir), local, drills_from_env(), backend)
         self.ranks = RankProcesses(launch)
         self._step_timeout_s = max(READY_TIMEOUT_FLOOR_S, 20 * config.collective_timeout_s)
         self._lock = threading.Lock()  # one command in flight (the loop thread steps, submitters validate)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,12 @@ class CollectiveError(RuntimeError):
 
 
 class RankCollectives(Collectives):
-    """One rank's collectives over the default (world) process group. ``shape``: the engine's parallel shape."""
+    """One rank's collectives over the engine's data process group (``group``: every rank, with the collective
+    timeout). ``shape``: the engine's parallel shape."""
 
-    def __init__(self, shape: ParallelShape, rank: int, device: torch.device) -> None:
+    def __init__(self, shape: ParallelShape, rank: int, device: torch.device, group: Any = None) -> None:
         self.shape, self.rank, self.device = shape, rank, device
+        self.group = group  # the data process group (None: the default group)
         self.world = shape.world_size
         self.volume: collections.Counter[str] = collections.Counter()  # "<layer>_<op>" -> bytes contributed
         self.tokens_per_rank: list[int] = [0] * self.world  # this forward's MLP rows per rank (DP)
@@ -64,7 +67,7 @@ class RankCollectives(Collectives):
     def _gather(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        self._run(what, lambda: dist.all_gather(parts, x))
+        self._run(what, lambda: dist.all_gather(parts, x, group=self.group))
         return parts
 
     def all_gather(self, x: torch.Tensor, layer: str) -> list[torch.Tensor]:
@@ -89,7 +92,7 @@ class RankCollectives(Collectives):
         rows = rows.contiguous()
         out = rows.new_empty((int(sum(recv_counts)), *rows.shape[1:]))
         self._run(f"all_to_all ({layer})", lambda: dist.all_to_all_single(
-            out, rows, [int(c) for c in recv_counts], [int(c) for c in send_counts]))
+            out, rows, [int(c) for c in recv_counts], [int(c) for c in send_counts], group=self.group))
         row_bytes = math.prod(rows.shape[1:]) * rows.element_size()
         self.volume[f"{layer}_all_to_all"] += (int(sum(send_counts)) - int(send_counts[self.rank])) * row_bytes
         return out
@@ -97,7 +100,7 @@ class RankCollectives(Collectives):
     def exchange_counts(self, send_counts: torch.Tensor, layer: str) -> list[int]:
         """``send_counts [world]`` int64 → how many rows each rank will send here (an all-to-all of one count)."""
         recv = torch.empty_like(send_counts)
-        self._run(f"all_to_all ({layer} counts)", lambda: dist.all_to_all_single(recv, send_counts))
+        self._run(f"all_to_all ({layer} counts)", lambda: dist.all_to_all_single(recv, send_counts, group=self.group))
         self.volume[f"{layer}_all_to_all"] += (self.world - 1) * send_counts.element_size()
         return recv.tolist()
 

@@ -1,6 +1,6 @@
 """What the driver (the engine's process) and the ranks say to each other over the control channel.
 
-The driver talks to rank 0 only (a local queue); rank 0 broadcasts each command to every rank over a gloo control
+The driver talks to rank 0 only (a local connection); rank 0 broadcasts each command to every rank over a gloo control
 group and gathers their replies (``torch.distributed`` object collectives, the same on one host or several). Every
 command that touches the engines carries the request operations queued since the previous one; a rank applies the
 operations of its data-parallel group (all of them under tensor parallelism) before the command itself.

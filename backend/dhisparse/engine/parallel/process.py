@@ -24,7 +24,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-index", type=int, default=0)
     p.add_argument("--driver", default="", metavar="HOST:PORT")
     p.add_argument("--engine-dir", default=None)
-    p.add_argument("--collective-timeout-s", type=float, default=0.0)
     args = p.parse_args(argv)
     channel, launch = Channel(), None
     if args.driver:
@@ -35,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(launch, RankLaunch)
         if launch.threads:
             torch.set_num_threads(launch.threads)
-    code = run_rank(args.rank, args.world, launch, channel, args.local_index, args.engine_dir,
-                    args.collective_timeout_s)
+    code = run_rank(args.rank, args.world, launch, channel, args.local_index, args.engine_dir)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no interpreter teardown: a failed rank's threads (gloo) must not hold the process

@@ -70,6 +70,7 @@ class RankLaunch:
     config_digest: str = ""  # of the engine's config.json (ranks on other hosts check theirs against it)
     local_ranks: tuple[int, ...] = field(default=())
     drills: dict[str, dict[str, Any]] = field(default_factory=dict)  # DRILL_ENV of the driver: per-rank overrides
+    backend: str = "gloo"  # the data collectives' backend: "nccl" when the engine's device is a GPU
 
 
 def drills_from_env() -> dict[str, dict[str, Any]]:
@@ -85,13 +86,12 @@ def config_digest(engine_dir: str | Path) -> str:
 class RankWorker:
     """This rank's engine over its slice of the model (built in the constructor)."""
 
-    def __init__(self, rank: int, launch: RankLaunch, local_index: int) -> None:
+    def __init__(self, rank: int, launch: RankLaunch, local_index: int, group: Any = None) -> None:
         self.rank, self.shape = rank, launch.shape
         overrides = dict(launch.overrides)
         # Drills: one rank alone gets, e.g., a fault_injection spec (a rank that raises where the others do not).
         overrides.update(launch.drills.get(str(rank), {}))
-        device = overrides.get("device", "cpu")
-        if str(device).startswith("cuda"):
+        if launch.backend == "nccl":
             overrides["device"] = f"cuda:{local_index}"  # one device per local rank
 
         def shard(weights: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
@@ -99,7 +99,7 @@ class RankWorker:
             return shard_weights(weights, cfg, launch.shape, rank)
 
         config, model, speculator = load_engine_parts(launch.engine_dir, shard=shard, **overrides)
-        self.comm = RankCollectives(launch.shape, rank, model.device)
+        self.comm = RankCollectives(launch.shape, rank, model.device, group)
         self.idle_forward = parallelize(model, launch.shape, self.comm)
         self.engine = LLMEngine(model, config, speculator)
         self.group = launch.shape.dp_rank(rank)
@@ -177,28 +177,31 @@ class Channel:
             self.conn.send(message)
 
 
-def init_ranks(rank: int, world: int, launch_or_none: RankLaunch | None, addr: str, port: int, timeout_s: float
+def init_ranks(rank: int, world: int, launch_or_none: RankLaunch | None, addr: str, port: int
                ) -> tuple[RankLaunch, Any]:
-    """Join the process group and the control group; every rank gets rank 0's launch description."""
-    backend = "gloo"
-    if launch_or_none is not None and str(launch_or_none.overrides.get("device", "cpu")).startswith("cuda"):
-        backend = "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", world_size=world, rank=rank,
-                            timeout=timedelta(seconds=timeout_s))
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=max(CONTROL_TIMEOUT_FLOOR_S, 10 * timeout_s)))
+    """Join the engine's ranks: the default process group (gloo) carries the control channel, with a timeout long
+    enough for the slowest rank's model load or step; every rank gets rank 0's launch description over it; then the
+    data group (``launch.backend``: NCCL on GPUs, gloo on CPU) with ``collective_timeout_s`` carries the model's
+    collectives. Returns ``(launch, data group)``."""
+    control_s = CONTROL_TIMEOUT_FLOOR_S if launch_or_none is None else max(CONTROL_TIMEOUT_FLOOR_S,
+                                                                           10 * launch_or_none.timeout_s)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", world_size=world, rank=rank,
+                            timeout=timedelta(seconds=control_s))
     box = [launch_or_none if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=control)
+    dist.broadcast_object_list(box, src=0)
     launch = box[0]
     assert isinstance(launch, RankLaunch)
-    return launch, control
+    data = dist.new_group(backend=launch.backend, timeout=timedelta(seconds=launch.timeout_s))
+    return launch, data
 
 
-def control_loop(rank: int, worker: RankWorker, control: Any, channel: Channel, heartbeat_s: float) -> None:
+def control_loop(rank: int, worker: RankWorker, channel: Channel, heartbeat_s: float) -> None:
+    """Serve the driver's commands until ``Shutdown`` (the control channel is the default process group)."""
     world = worker.shape.world_size
     while True:
         cmd: Command | None = _next_command(channel, heartbeat_s) if rank == 0 else None
         box = [cmd]
-        dist.broadcast_object_list(box, src=0, group=control)
+        dist.broadcast_object_list(box, src=0)
         cmd = box[0]
         if isinstance(cmd, Heartbeat):
             continue
@@ -206,7 +209,7 @@ def control_loop(rank: int, worker: RankWorker, control: Any, channel: Channel, 
             return
         reply = worker.handle(cmd)
         gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(reply, gathered, dst=0, group=control)
+        dist.gather_object(reply, gathered, dst=0)
         if rank == 0:
             channel.send("reply", gathered)
 
@@ -224,31 +227,26 @@ def _next_command(channel: Channel, heartbeat_s: float) -> Command:
 
 
 def run_rank(rank: int, world: int, launch: RankLaunch | None, channel: Channel, local_index: int = 0,
-             engine_dir: str | None = None, timeout_s: float = 0.0) -> int:
+             engine_dir: str | None = None) -> int:
     """A rank's whole life: join, build, report ready, serve commands; returns its exit code (0, or
     :data:`FATAL_EXIT` after reporting a failure). ``launch`` None: a rank on another host (``engine_dir``: its
-    copy of the engine directory; the rendezvous from ``MASTER_ADDR`` / ``MASTER_PORT``; ``timeout_s`` must equal
-    the engine's ``collective_timeout_s``)."""
+    copy of the engine directory; the rendezvous from ``MASTER_ADDR`` / ``MASTER_PORT``)."""
     try:
         addr = launch.master_addr if launch else os.environ["MASTER_ADDR"]
         port = launch.master_port if launch else int(os.environ["MASTER_PORT"])
-        timeout = launch.timeout_s if launch else timeout_s
-        got, control = init_ranks(rank, world, launch, addr, port, timeout)
+        got, data = init_ranks(rank, world, launch, addr, port)
         if engine_dir is not None:  # a rank on another host: its own copy of the engine directory
-            if got.timeout_s != timeout:
-                raise RuntimeError(f"rank {rank}: --collective-timeout-s {timeout} differs from the engine's "
-                                   f"collective_timeout_s {got.timeout_s}")
             if config_digest(engine_dir) != got.config_digest:
                 raise RuntimeError(f"rank {rank}: {engine_dir}/config.json differs from the engine host's copy")
             got = replace(got, engine_dir=engine_dir)
         if got.threads:
             torch.set_num_threads(got.threads)
-        worker = RankWorker(rank, got, local_index)
+        worker = RankWorker(rank, got, local_index, data)
         gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(worker.ready(), gathered, dst=0, group=control)
+        dist.gather_object(worker.ready(), gathered, dst=0)
         if rank == 0:
             channel.send("ready", gathered)
-        control_loop(rank, worker, control, channel, heartbeat_s=min(5.0, got.timeout_s / 4))
+        control_loop(rank, worker, channel, heartbeat_s=min(5.0, got.timeout_s / 4))
         dist.destroy_process_group()
         return 0
     except BaseException as exc:  # noqa: B036 - a rank must never be left running after a failure

@@ -6,7 +6,7 @@ other host runs ``dhisparse-rank ENGINE_DIR`` with the usual torch.distributed v
 ranks from there, one device each). The ranks receive the engine's runtime options and parallel shape from rank 0;
 ``ENGINE_DIR`` is this host's copy of the engine directory (its ``config.json`` must match the serving host's).
 The command exits 0 when the engine shuts down, and :data:`~dhisparse.engine.parallel.rank.FATAL_EXIT` when a rank
-failed (its peers' collectives fail at once, or time out after ``--collective-timeout-s``).
+failed (its peers' collectives fail at once, or time out after the engine's ``collective_timeout_s``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 
-from dhisparse import defaults
 from dhisparse.engine.parallel.launch import python_executable, rank_environment
 from dhisparse.engine.parallel.rank import FATAL_EXIT
 
@@ -26,8 +25,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dhisparse-rank", description=__doc__.splitlines()[0])
     p.add_argument("engine_dir", help="this host's copy of the engine directory")
     p.add_argument("--nproc", type=int, default=1, help="ranks on this host: RANK, RANK + 1, … (one device each)")
-    p.add_argument("--collective-timeout-s", type=float, default=defaults.COLLECTIVE_TIMEOUT_S,
-                   help="the engine's collective_timeout_s (every collective fails after it)")
     args = p.parse_args(argv)
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if not os.environ.get(name)]
     if missing:
@@ -40,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = rank_environment(threads=0)
     procs = [subprocess.Popen([python_executable(), "-m", "dhisparse.engine.parallel.process", "--rank", str(first + i),
-                               "--world", str(world), "--local-index", str(i), "--engine-dir", args.engine_dir,
-                               "--collective-timeout-s", str(args.collective_timeout_s)], env=env)
+                               "--world", str(world), "--local-index", str(i), "--engine-dir", args.engine_dir],
+                              env=env)
              for i in range(args.nproc)]
     def stop(signum: int, frame: object) -> None:  # the ranks end with this command
         for proc in procs:

@@ -21,15 +21,17 @@ if TYPE_CHECKING:
 
 # Error flags accumulated on the device during a step (read once, see ``StepKV.report``), with their messages and
 # the error each raises.
-FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED = range(3)
+FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, FLAG_NO_HOST_COPY = range(4)
 FLAG_MESSAGES = (
     "gather: a selected position is at or past the request's length",
     "the resolver's hot cache overflowed: a request misses more rows than its hot cache has evictable slots "
     "plus verification staging rows; raise hot_rows (B) to at least the number of distinct rows one step can "
     "select",
     "tail page of a new row is not mapped (begin_step broke its contract)",
+    "a missed row has no host copy (its page was never backed up), or the step resolver was given a source, slot or "
+    "staging slot out of range: the KV hierarchy's residency invariant is broken",
 )
-FLAG_ERRORS: tuple[type[Exception], ...] = (ValueError, HotCacheOverflowError, RuntimeError)
+FLAG_ERRORS: tuple[type[Exception], ...] = (ValueError, HotCacheOverflowError, RuntimeError, RuntimeError)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,26 @@ class StepParts:
     staging_slot_of_layer: tuple[int, ...]  # per layer: the staging slot its source uses
 
 
+@dataclass(frozen=True)
+class StepSetup:
+    """A step's per-step values, computed by the resolution's set-up from the batch state.
+
+    ``starts`` / ``lengths`` ``[B]`` int64 (device): first new position and history length with the new tokens;
+    ``page_table [B, S, M]``: the step's snapshot of its requests' page tables; ``write_rows``: per source ``[B*Q]``
+    arena rows the new tokens' rows go to; ``key_write``: per indexer layer ``[B, Q]`` key pages and the offsets
+    ``[B, Q]`` within them; ``slot_index``: the slots as a CPU tensor (for a resolution that reads the batch state
+    by slot), else ``None``; ``unmapped``: a device flag set when a new row's page is not mapped (``None``: not
+    checked)."""
+
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    page_table: torch.Tensor
+    write_rows: tuple[torch.Tensor, ...]
+    key_write: tuple[tuple[torch.Tensor, ...], torch.Tensor]
+    slot_index: torch.Tensor | None = None
+    unmapped: torch.Tensor | None = None
+
+
 @dataclass
 class Resolved:
     """One source's resolution in a step: reused by every layer that reads the source with the same selection."""
@@ -73,10 +95,9 @@ class StepResolution(Protocol):
 
     name: str
 
-    def setup(self, step: StepKV, starts: list[int], width: int) -> None:
-        """Set the step's per-step values from the batch state: ``starts``, ``lengths``, the page-table snapshot
-        ``page_table [B, S, width]``, the new tokens' arena rows per source and their key pages; flag an unmapped
-        new row."""
+    def setup(self, step: StepKV, starts: list[int], width: int) -> StepSetup:
+        """The step's per-step values from the batch state (:class:`StepSetup`), its page-table snapshot ``width``
+        pages wide."""
         ...
 
     def resolve(self, step: StepKV, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:

@@ -1,25 +1,22 @@
-"""Resolution by the CUDA kernels on a GPU: resolution and host fetch of a source without a host round trip, and
+"""Resolution by the CUDA kernels on a GPU: an index group resolved and fetched without a host round trip, and
 sparse MLA attention over the resolved locations.
 
-Per source (and, for a GLM index group, for every source of the group at the leader layer, so that the shared
-layers' rows are copied ahead on the copy stream while the current layer attends):
+Per index group (the sources a GLM leader layer's selection serves, or one source), at its first reader:
 
-1. the resolver kernel runs on the current stream (outputs padded with ``-1``, hot-cache state updated on the
-   device);
-2. the missing rows' host indices are computed on the device from the request's host pages
-   (``host_page * P + position % P``, ``-1`` where there is nothing to copy);
-3. one row-copy kernel launch on the copy stream (``CopyEngine.issue_gather``, after the current stream's work)
-   reads them from pinned host memory into their hot-cache slots — through the host store's mapped view when it
-   has several chunks, so one launch whatever their number (:func:`host_source`); the resolver's status column is
-   copied to pinned memory in the same stream order and checked when the ticket completes (a hot-cache overflow
-   raises :class:`HotCacheOverflowError` then, at the latest in ``end_step``);
-4. readers make the current stream wait for the copy's event (``CopyEngine.wait_for_read``) instead of
+1. **one step-resolver launch** for the whole batch and every source of the group (``CudaKernels.resolve_step``,
+   ``StepResolveArgs`` of ``plugins/common/include/dhisparse/launch.h``): it reads the step's page-table snapshot and
+   the hot state, host page ids and verification staging rows where they live (the batch state's slots), updates the
+   hot state in place, takes staging rows for a verification step's misses past the evictable slots, adds the
+   per-request counts and staged rows into the step's report, or-s its error bits into a word that becomes the step's
+   flags, and writes each source's fetch list (host rows → arena rows, ``-1`` padded) in the same launch;
+2. per source, one row-copy kernel launch on the copy stream (``CopyEngine.issue_gather``, after the current stream's
+   work) from that fetch list as it is — through the host store's mapped view when it has several chunks, so one
+   launch whatever their number (:func:`host_source`); a shared layer's rows are copied while the leader attends;
+3. readers make the current stream wait for the copy's event (``CopyEngine.wait_for_read``) instead of
    synchronising the host.
 
-The set-up and a step whose every history is direct are the torch reference's (page-table lookups on the device).
-The resolver kernel of this build has no verification staging step: a verification step with staging rows resolves
-with the torch reference on the device (the same contract, step 4 included), which the one-launch resolver kernel of
-issue #25 replaces.
+The set-up and a step whose every history is direct are the torch reference's (page-table lookups on the device). The
+group's members must use distinct staging slots to share a launch; otherwise each is launched on its own.
 """
 
 from __future__ import annotations
@@ -29,13 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dhisparse.kernels.resolver import HotCacheOverflowError
-from dhisparse.kv.copies import CopyTicket
-from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, Resolved
+from dhisparse.host_values import to_device
+from dhisparse.kernels import native
+from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_NO_HOST_COPY, FLAG_OVERFLOW, Resolved, StepSetup
 from dhisparse.kv.resolution.reference import TorchResolution
 
 if TYPE_CHECKING:
     from dhisparse.kv.step import StepKV
+
+# The step resolver's error bits (kernels.native.STEP_*; 16: a source, slot or staging slot out of range) and the
+# step's flag each sets.
+_FLAGS = ((native.STEP_BAD_POSITION, FLAG_BAD_POSITION), (native.STEP_HOT_CACHE_OVERFLOW, FLAG_OVERFLOW),
+          (native.STEP_NO_HOST_COPY | 16, FLAG_NO_HOST_COPY))
 
 
 class CudaResolution:
@@ -46,64 +48,60 @@ class CudaResolution:
     def __init__(self, kernels: Any) -> None:
         self.kernels = kernels
         self.reference = TorchResolution()
+        self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # groups' sources, slots
 
-    def setup(self, step: StepKV, starts: list[int], width: int) -> None:
-        self.reference.setup(step, starts, width)
+    def setup(self, step: StepKV, starts: list[int], width: int) -> StepSetup:
+        return self.reference.setup(step, starts, width)
 
     def settle(self, step: StepKV) -> None:
         self.reference.settle(step)
 
     def resolve(self, step: StepKV, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
-        if step.all_direct or step.parts.staging:
+        if step.all_direct:
             self.reference.resolve(step, todo, positions)
             return
-        host_pages = step.host_pages
-        device_pages = None  # the host page ids on the device, moved once per step
-        if host_pages is not None:
-            device_pages = step.memo("device_host_pages", lambda: host_pages.to(positions.device, non_blocking=True))
-        for source, slot in todo:
-            locations, ticket = self._resolve_source(step, source, positions, device_pages)
-            step.resolver_calls += 1
-            step.resolved[source] = Resolved(positions, locations, ticket, slot, False)
+        staging_slots = [slot for _, slot in todo]
+        if step.parts.staging and len(set(staging_slots)) != len(staging_slots):
+            for item in todo:  # members sharing a staging slot would write the same rows: one launch each
+                self._launch(step, [item], positions)
+            return
+        self._launch(step, todo, positions)
 
-    def _resolve_source(self, step: StepKV, source: int, positions: torch.Tensor,
-                        host_pages: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
-        """Resolve ``positions [B, X, K]`` of ``source`` with the resolver kernel and issue the host fetch of its
-        misses with the row-copy kernel; returns the locations ``[B, X*K]`` and the fetch's ticket."""
-        m = step.parts
-        flat = positions.reshape(len(step.requests), -1).contiguous()
-        step.flag(FLAG_BAD_POSITION, (flat >= step.lengths.view(-1, 1)).any())
-        out = self.kernels.resolve_padded(flat, step.page_table[:, source], step.hot_pos[:, source],
-                                          step.hot_stamp[:, source], step.hot_loc[:, source], step.stamp,
-                                          m.page_rows)
-        step.store_hot(source, out["hot_pos"], out["hot_stamp"])
-        step.counts += out["summary"][:, 3:6].to(torch.int64)
-        if host_pages is None:  # resident policy: every row is direct, nothing can miss
-            return out["locations"], None
-        pages = host_pages[:, source]  # [B, M] host page ids
-        wanted = out["copy_position"]
-        valid = wanted >= 0
-        safe = wanted.clamp(min=0)
-        page = pages.gather(1, (safe // m.page_rows).clamp(max=pages.shape[1] - 1))
-        src_rows = torch.where(valid, page * m.page_rows + safe % m.page_rows, torch.full_like(safe, -1))
-        status = out["summary"][:, 0].contiguous()
-        hot_rows = step.hot_pos.shape[2]
-        issued: list[CopyTicket] = []
+    def _index(self, values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """``values`` as an int64 tensor on ``device``, made once per tuple."""
+        key = (values, device)
+        index = self._indices.get(key)
+        if index is None:
+            index = self._indices[key] = to_device(list(values), torch.int64, device)
+        return index
 
-        def check_status() -> None:
-            watched = issued[0].watched
-            if watched is not None and bool((watched != 0).any()):
-                row = int(torch.nonzero(watched)[0])
-                raise HotCacheOverflowError(
-                    f"request row {row} (source {source}): the resolver kernel found more missing rows than its "
-                    f"hot cache of {hot_rows} slots can take; raise hot_rows (B)")
-
-        host, src_rows, launch = host_source(self.kernels.copy_rows, m.host.rows, src_rows, flat.device)
-        ticket = m.copies.issue_gather("fetch", m.pool.arena, out["copy_location"], host, src_rows, launch,
-                                       on_done=check_status, watch=status)
-        issued.append(ticket)
-        step.tickets.append(ticket)
-        return out["locations"], ticket
+    def _launch(self, step: StepKV, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
+        """One step-resolver launch for the sources ``todo`` and their fetches (see the module docstring)."""
+        m, state = step.parts, step.parts.batch
+        device = m.device
+        batch = len(step.requests)
+        flat = positions.reshape(batch, -1).contiguous()
+        values = step.memo("device_stamp_and_slots", lambda: to_device([step.stamp, *step.slots], torch.int64, device))
+        staging = None
+        if m.staging and state.staging_loc.shape[2]:
+            staging = (state.staging_loc, self._index(tuple(slot for _, slot in todo), device))
+        groups, n = len(todo), flat.shape[1]
+        out = {name: torch.empty(groups, batch, n, dtype=torch.int64, device=device)
+               for name in ("locations", "fetch_src", "fetch_dst")}
+        out.update(counts=step.counts, staged=step.staged, flags=torch.zeros(1, dtype=torch.int32, device=device))
+        self.kernels.resolve_step(values[:1], flat, step.lengths, self._index(tuple(s for s, _ in todo), device),
+                                  values[1:], step.page_table, state.hot_pos, state.hot_stamp, state.hot_loc,
+                                  state.host_pages if m.uses_host else None, staging, m.page_rows, out)
+        step.resolver_calls += groups  # (the step re-reads a gathered copy of the hot state after this)
+        for bit, flag in _FLAGS:
+            step.flag(flag, (out["flags"] & bit) != 0)
+        for g, (source, slot) in enumerate(todo):
+            ticket = None
+            if m.uses_host:
+                host, src, launch = host_source(self.kernels.copy_rows, m.host.rows, out["fetch_src"][g], device)
+                ticket = m.copies.issue_gather("fetch", m.pool.arena, out["fetch_dst"][g], host, src, launch)
+                step.tickets.append(ticket)
+            step.resolved[source] = Resolved(positions, out["locations"][g], ticket, slot, staging is not None)
 
     def attend(self, step: StepKV, locations: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
                softmax_scale: float) -> torch.Tensor | None:

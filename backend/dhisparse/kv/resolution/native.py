@@ -18,7 +18,7 @@ import ctypes
 import torch
 
 from dhisparse.kernels import native
-from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, Resolved
+from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, Resolved, StepSetup
 from dhisparse.kv.step import StepKV
 
 # The library's step flags and the step's own flag each sets.
@@ -36,7 +36,7 @@ class NativeResolution:
         self._sources: dict[tuple[int, ...], torch.Tensor] = {}  # an index group's sources as a CPU tensor
         self._checked: list[torch.Tensor | None] = []  # the batch-state tensors resolve_step last checked
 
-    def setup(self, step: StepKV, starts: list[int], width: int) -> None:
+    def setup(self, step: StepKV, starts: list[int], width: int) -> StepSetup:
         """The step's per-step values by one library call, as views of its output; an unmapped new row is flagged
         whatever the debug mode (the flag costs no device read here)."""
         m, state = step.parts, step.parts.batch
@@ -46,15 +46,15 @@ class NativeResolution:
         batch, sources, indexers = len(starts), state.page_table.shape[1], state.key_pages.shape[1]
         bq = batch * query_len
         at = 2 * batch + batch * sources * width
-        step.starts, step.lengths = out[:batch], out[batch: 2 * batch]
-        step.page_table = out[2 * batch: at].view(batch, sources, width)
-        step.write_rows = out[at: at + sources * bq].view(sources, bq).unbind(0)
-        at += sources * bq
-        step.key_write = (out[at: at + indexers * bq].view(indexers, batch, query_len).unbind(0),
-                          out[at + indexers * bq:].view(batch, query_len))
-        step.slot_index = torch.tensor(step.slots, dtype=torch.int64)  # the slots the library reads, by request
-        if flags:
-            step.flag(FLAG_UNMAPPED, torch.ones((), dtype=torch.bool))
+        rows_at = at + sources * bq
+        return StepSetup(
+            starts=out[:batch], lengths=out[batch: 2 * batch],
+            page_table=out[2 * batch: at].view(batch, sources, width),
+            write_rows=out[at: rows_at].view(sources, bq).unbind(0),
+            key_write=(out[rows_at: rows_at + indexers * bq].view(indexers, batch, query_len).unbind(0),
+                       out[rows_at + indexers * bq:].view(batch, query_len)),
+            slot_index=torch.tensor(step.slots, dtype=torch.int64),  # the slots the library reads, by request
+            unmapped=torch.ones((), dtype=torch.bool) if flags else None)
 
     def resolve(self, step: StepKV, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
         """One call for the group: direct-only when every history is direct (hot state untouched), else the full
@@ -70,7 +70,7 @@ class NativeResolution:
             if m.staging:
                 staging = (state.staging_loc, [slot for _, slot in todo], step.staged)
         out = native.resolve_step(self.lib, positions.reshape(len(step.requests), -1).contiguous(), step.lengths,
-                                  sources, step.slot_index, step.page_table, state.hot_pos, state.hot_stamp,
+                                  sources, step.slot_index_cpu(), step.page_table, state.hot_pos, state.hot_stamp,
                                   state.hot_loc, state.host_pages if m.uses_host else None, step.counts, step.stamp,
                                   m.page_rows, direct_only=direct, staging=staging, checked=self._checked)
         step.resolver_calls += len(todo)

@@ -25,7 +25,7 @@ import torch
 from dhisparse.host_values import to_device
 from dhisparse.kernels.resolver import resolve
 from dhisparse.kv.copies import CopyTicket
-from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, Resolved
+from dhisparse.kv.resolution.common import FLAG_BAD_POSITION, FLAG_OVERFLOW, FLAG_UNMAPPED, Resolved, StepSetup
 
 if TYPE_CHECKING:
     from dhisparse.kv.step import StepKV
@@ -40,7 +40,7 @@ class TorchResolution:
         self._sources: dict[tuple[tuple[int, ...], torch.device], slice | torch.Tensor] = {}
 
     # ---------------------------------------------------------------------------------------------- set-up
-    def setup(self, step: StepKV, starts: list[int], width: int) -> None:
+    def setup(self, step: StepKV, starts: list[int], width: int) -> StepSetup:
         m = step.parts
         batch, query_len = len(starts), step.query_len
         first = np.asarray(starts, dtype=np.int64)
@@ -48,18 +48,18 @@ class TorchResolution:
         values = to_device(torch.from_numpy(np.concatenate(
             (first, first + query_len, *np.divmod(positions, m.page_rows),
              *np.divmod(positions, max(1, m.keys_per_page))))), None, m.device)
-        step.starts, step.lengths = values[:batch], values[batch: 2 * batch]
         page_index, within_page, key_block, within_key_page = values[2 * batch:].view(4, batch, query_len).unbind(0)
-        table = step.page_table = m.batch.page_table[step.rows, :, :width].clone()  # [B, S, M]
+        table = m.batch.page_table[step.rows, :, :width].clone()  # [B, S, M]
         sources = table.shape[1]
         page = table.transpose(0, 1).gather(2, page_index.unsqueeze(0).expand(sources, -1, -1))  # [S, B, Q]
         new_rows = page.mul_(m.page_rows).add_(within_page)  # negative only where a page is unmapped
-        if m.debug_checks:  # begin_step maps every new row's tail page (its contract: "tail map")
-            step.flag(FLAG_UNMAPPED, (new_rows < 0).any())
-        step.write_rows = new_rows.clamp_(min=0).view(sources, -1).unbind(0)
+        # begin_step maps every new row's tail page (its contract, "tail map"): checked in debug mode (a device read)
+        unmapped = (new_rows < 0).any() if m.debug_checks else None
         key_pages = m.batch.key_pages[step.rows]
         write_pages = key_pages.transpose(0, 1).gather(2, key_block.unsqueeze(0).expand(key_pages.shape[1], -1, -1))
-        step.key_write = (write_pages.unbind(0), within_key_page)
+        return StepSetup(starts=values[:batch], lengths=values[batch: 2 * batch], page_table=table,
+                         write_rows=new_rows.clamp_(min=0).view(sources, -1).unbind(0),
+                         key_write=(write_pages.unbind(0), within_key_page), unmapped=unmapped)
 
     # ------------------------------------------------------------------------------------------ resolution
     def resolve(self, step: StepKV, todo: list[tuple[int, int]], positions: torch.Tensor) -> None:
