@@ -5,6 +5,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# AIPerf (its own virtualenv under .tools/) is installed too: tests drive our OpenAI API with it.
+export WITH_AIPERF="${WITH_AIPERF:-1}"
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate

@@ -26,7 +26,9 @@ from dhisparse.errors import CheckpointError
 from dhisparse.model.loading import load_any_state_dict, read_any_config
 from dhisparse.spec.packing import pack_drafter
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # Hugging Face's file name; the OpenAI API's chat template
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class BuildOptions:
     runtime: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields (dtype, kv_policy, …)
     drafters: tuple[Path, ...] = ()
     force: bool = False
+    chat_template: Path | None = None  # a Jinja2 chat template file, written as the engine's chat_template.jinja
 
 
 def _stderr_progress(label: str) -> Callable[[int, int], None]:
@@ -57,6 +60,8 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
     """Build the engine; raises ``CheckpointError``/``ConfigError`` with the reason on bad input. The output is
     written to a temporary directory next to ``output`` and moved into place only when complete."""
     output = opts.output
+    if opts.chat_template is not None and not opts.chat_template.is_file():
+        raise CheckpointError(f"chat template file {opts.chat_template} not found")
     if output.exists() and not opts.force:
         raise CheckpointError(f"{output} already exists; pass --force to overwrite it")
     if output.exists():
@@ -76,6 +81,8 @@ def build_engine(opts: BuildOptions, progress: Callable[[int, int], None] | None
         for name in TOKENIZER_FILES:
             if (opts.checkpoint / name).exists():
                 shutil.copy2(opts.checkpoint / name, staging / name)
+        if opts.chat_template is not None:
+            shutil.copy2(opts.chat_template, staging / CHAT_TEMPLATE_FILE)
         for drafter in opts.drafters:
             pack_drafter(drafter, staging / "drafters", cfg)
         if runtime.speculative and not (staging / "drafters" / runtime.speculative).is_dir():

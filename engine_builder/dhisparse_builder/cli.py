@@ -23,6 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter", action="append", type=Path, default=[],
                    help="drafter checkpoint to pack (repeatable): ours, z-lab DFlash, DFlash2, DeepSpec DSpark or a "
                         "DeepSeek-V4 checkpoint with DSpark stages; packed under drafters/<family>")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="Jinja2 chat template for the OpenAI API's chat completions (written as chat_template.jinja; "
+                        "default: the checkpoint's chat_template.jinja or tokenizer_config.json entry, if any)")
     g = p.add_argument_group("runtime defaults (runtime.json; each can be overridden by LLM(...) / dhisparse-serve)")
     g.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
     g.add_argument("--pool-bytes", type=lambda v: 0 if v == "auto" else int(v), default=None,
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             runtime[name] = value
     try:
-        out = build_engine(BuildOptions(args.checkpoint, args.output, runtime, tuple(args.drafter), args.force))
+        out = build_engine(BuildOptions(args.checkpoint, args.output, runtime, tuple(args.drafter), args.force,
+                                        args.chat_template))
     except DHiSparseError as exc:
         print(f"dhisparse-build: error: {exc}", file=sys.stderr)
         return 2

@@ -106,12 +106,18 @@ def test_orchestrator_streams_the_first_token_then_the_generation_tokens(disaggr
         assert [t for c in chunks for t in c] == want
 
 
-def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected):
+def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected, tokenizer):
     _, _, texts = expected
+    _, tokens, _ = expected
+    token_bytes = TokenBytes(tokenizer)
     client = disaggregated.client("ensemble")
-    for prompt, text in zip(PROMPTS, texts, strict=True):
-        assert b"".join(client.stream(prompt, GenerationOptions(max_tokens=MAX_TOKENS))) == text
-    assert client.generate(PROMPTS[0], GenerationOptions(max_tokens=MAX_TOKENS)) == texts[0]
+    for prompt, want in zip(PROMPTS, tokens, strict=True):
+        # The orchestrator streams one token per response (no speculation here) and does not hold tokens back for
+        # whole characters: postprocessing decodes each chunk on its own, a split character becomes U+FFFD.
+        per_token = b"".join(token_bytes.decode([t]).decode("utf-8", "replace").encode() for t in want)
+        assert b"".join(client.stream(prompt, GenerationOptions(max_tokens=MAX_TOKENS))) == per_token
+    whole = texts[0].decode("utf-8", "replace").encode()
+    assert client.generate(PROMPTS[0], GenerationOptions(max_tokens=MAX_TOKENS)) == whole
     metrics = disaggregated.client().metrics()
     assert metrics["transfers"] >= len(PROMPTS) + 1 and metrics["transfer_bytes"] > 0
     assert metrics.get("transfers_failed", 0.0) == 0.0
@@ -292,3 +298,95 @@ def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer,
     assert after["regions_cancelled"] - before["regions_cancelled"] == BLOCKERS + 1
     assert wait_idle(generation_server.client()) == IDLE
     assert generation_server.client().metrics().get("transfers", 0.0) == generation_before.get("transfers", 0.0)
+
+
+MISSING = [  # (server: 0 generation / 1 context, model, inputs, what the error must name)
+    (0, "ensemble", {"max_tokens": [[4]], "stream": [[True]]}, "text_input is missing"),
+    (0, "ensemble", {"text_input": [["To be"]], "stream": [[True]], "temperature": [[0.5]]}, "max_tokens is missing"),
+    (0, "disaggregated_serving_bls", {"request_output_len": [[4]], "streaming": [[True]]}, "input_ids is missing"),
+    (0, "disaggregated_serving_bls", {"input_ids": [[5, 6]], "streaming": [[True]], "temperature": [[0.5]]},
+     "request_output_len"),
+    (0, "generation", {"input_ids": [[5, 6]], "request_output_len": [[4]], "streaming": [[True]],
+                       "request_type": [["generation_only"]]}, "context_phase_params is missing"),
+    (1, "context", {"request_output_len": [[4]], "request_type": [["context_only"]], "temperature": [[0.5]]},
+     "input_ids is missing"),
+    (1, "context", {"input_ids": [[5, 6]], "request_type": [["context_only"]], "temperature": [[0.5]]},
+     "request_output_len"),
+]
+
+
+@pytest.mark.parametrize(("server", "model", "values", "message"), MISSING, ids=[f"{m[1]}-{m[3]}" for m in MISSING])
+def test_missing_required_input_on_a_stream_is_named(deployment, server, model, values, message):
+    """Over a gRPC stream with a request id (what Triton 2.51 answered with silence for the ensemble)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    dtypes = {"input_ids": np.int32, "request_output_len": np.int32, "max_tokens": np.int32, "streaming": bool,
+              "stream": bool, "temperature": np.float32, "text_input": object, "request_type": object}
+    inputs = []
+    for name, value in values.items():
+        array = np.array(value, dtype=dtypes[name])
+        if array.dtype == object:
+            array = np.vectorize(lambda v: v.encode(), otypes=[object])(array)
+        tensor = grpcclient.InferInput(name, list(array.shape), {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL",
+                                                                 np.dtype(np.float32): "FP32",
+                                                                 np.dtype(object): "BYTES"}[array.dtype])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    with pytest.raises(GenerationError, match=message):
+        list(deployment[server].client().stream_results(model, inputs, request_id="missing-input"))
+
+
+@pytest.fixture(scope="module")
+def openai_api(disaggregated):
+    """The OpenAI front end `dhisparse-serve --openai-port` runs, here beside the generation server."""
+    import openai
+
+    from dhisparse.serving.openai.server import OpenAIOptions, OpenAIServer
+
+    front = OpenAIServer(disaggregated.engine_dir, disaggregated.grpc_url, OpenAIOptions(0, model_name="tiny"),
+                         disaggregated.overrides)
+    front.start()
+    try:
+        yield openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0, timeout=120)
+    finally:
+        front.stop()
+
+
+def test_openai_api_over_the_orchestrator(openai_api, expected):
+    """Same answers as co-located serving; what the orchestrator does not return (log-probs) is refused by name."""
+    import openai
+
+    _, tokens, texts = expected
+    for prompt, want, text in zip(PROMPTS, tokens, texts, strict=True):
+        reply = openai_api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].text == text.decode("utf-8", "replace")
+        assert reply.choices[0].finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
+        assert reply.usage.completion_tokens == len(want)
+        streamed = openai_api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="not available in this deployment") as refused:
+        openai_api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, logprobs=1)
+    assert refused.value.body["param"] == "logprobs"
+
+
+def test_openai_disconnect_frees_the_generation_side(openai_api, disaggregated, prompt_runs_long):
+    from conftest import LONG, PROMPT
+    from idle import IDLE, settle, wait_idle
+
+    client = disaggregated.client()
+    settle(client)
+    before = client.metrics()
+    stream = openai_api.completions.create(model="tiny", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True)
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    deadline = time.monotonic() + 20
+    while client.metrics().get("kv_requests_running", 0.0) < 1.0:  # the generation side really holds memory
+        assert time.monotonic() < deadline, "the generation request never ran"
+        time.sleep(0.05)
+    stream.close()
+    assert wait_idle(client) == IDLE
+    after = client.metrics()
+    assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
+    assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG

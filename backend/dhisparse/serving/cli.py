@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dhisparse.serving import cli_hardening
 from dhisparse.serving.disagg_repository import DisaggregatedOptions, fill_disaggregated_repository
+from dhisparse.serving.openai import server as openai_server
 from dhisparse.serving.repository import (
     TEXT_MODELS,
     RepositorySpec,
@@ -97,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="partition MoE experts across the ranks (with --tensor-parallel-size or --data-parallel-size)")
     g.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other runtime option (value parsed as JSON when possible); repeatable")
+    openai_server.add_arguments(p)
     return p.parse_args(argv)
 
 
@@ -157,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
             planned = disaggregated.models(spec.has_tokenizer) if disaggregated is not None else (
                 (LLM_MODEL, *TEXT_MODELS) if spec.has_tokenizer else (LLM_MODEL,))
             claim_repository(args.model_repo, planned)
+        if args.openai_port is not None and args.role == "context":
+            raise ValueError("--openai-port needs the generation side (--role both or generation), not --role context")
+        http, grpc, metrics = _ports(args, args.address)
+        openai = openai_server.from_arguments(args, spec.engine_dir, f"{args.address}:{grpc}", spec.engine_overrides)
     except (TritonNotInstalledError, ValueError, TypeError) as error:
         print(f"dhisparse-serve: error: {error}", file=sys.stderr)
         return 2
@@ -168,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             models = fill_model_repository(spec, model_repo, args.templates)
         backend_dir = prepare_backend_dir(install, Path(work) / "backends")
-        http, grpc, metrics = _ports(args, args.address)
         config = ServerConfig(model_repo, backend_dir, http, grpc, metrics, args.address, args.log_verbose,
                               security=security, load_models=tuple(models), http_address=args.http_address,
                               metrics_address=args.metrics_address,
@@ -183,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, lambda *_: stop.set())
         try:
             server.start(timeout_s=args.startup_timeout)
-        except ServerStartError as error:
+            if openai is not None:  # beside Triton, calling its gRPC endpoint (dhisparse.serving.openai)
+                openai.start()
+                print(f"dhisparse-serve: openai={openai.url} model={openai.serving.model_name}", flush=True)
+        except (ServerStartError, RuntimeError) as error:
+            server.stop()
             print(f"dhisparse-serve: error: {error}", file=sys.stderr)
             return 1
         warning = cli_hardening.version_warning(server.version)
@@ -197,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         while not stop.wait(0.5):
             server.secure_shared_memory()
             if server.poll() is not None:  # died on its own
+                openai_server.stop(openai)
                 code = server.stop()
                 print(f"dhisparse-serve: tritonserver exited with code {code}", file=sys.stderr)
                 return 1
@@ -206,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                 # too (Triton 2.51 counts only loaded models), and exit non-zero for the supervisor to restart us.
                 print(f"dhisparse-serve: error: model {watched!r} is no longer ready (its engine stopped after "
                       "a fault; see the server log); stopping tritonserver", file=sys.stderr, flush=True)
+                openai_server.stop(openai)
                 server.stop()
                 return 3
         print("dhisparse-serve: stopping: refusing new requests, answering the open ones", flush=True)
+        openai_server.stop(openai)
         code = server.stop()
         print(f"dhisparse-serve: stopped (tritonserver exit code {code})", flush=True)
         return 0

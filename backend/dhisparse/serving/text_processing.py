@@ -11,9 +11,15 @@ preprocessing  QUERY [B, 1] bytes, REQUEST_OUTPUT_LEN [B, 1] int32, optional STO
                REQUEST_OUTPUT_LEN [B, 1] int32, STOP_WORDS_IDS / BAD_WORDS_IDS [B, 2, W] int32,
                EMBEDDING_BIAS [B, V] fp32 ([B, 0] when no row has bias words; each word's weight is added at every
                token the word encodes to, as tensorrtllm_backend does), OUT_END_ID / OUT_PAD_ID [B, 1] int32
-               (-1 = "not given": the engine's own end-of-sequence token applies)
+               (-1 = "not given": the engine's own end-of-sequence token applies), STREAM_WHOLE_CHARACTERS [B, 1]
+               bool = true (the LLM model's `stream_whole_characters`: streamed chunks end at character
+               boundaries, so that postprocessing, which sees one chunk at a time, decodes whole characters)
 postprocessing TOKENS_BATCH [B, beams, T] int32, SEQUENCE_LENGTH [B, beams] int32
-           ->  OUTPUT [B, beams] bytes (UTF-8; a streamed chunk may end inside a character)
+           ->  OUTPUT [B * beams] bytes, one string per sequence, 1-D, always valid UTF-8 (bytes that are not,
+               e.g. a character cut by max_tokens, become U+FFFD as a replacing decoder makes them). 1-D as
+               tensorrtllm_backend's postprocessing returns it: its clients read `text_output[0].decode("utf-8")`
+               (the LLM model answers one prompt per response, so B = 1 there). With STREAM_WHOLE_CHARACTERS no
+               streamed chunk ends inside a character, so the chunks concatenate to the whole sequence's text.
 """
 
 from __future__ import annotations
@@ -123,6 +129,8 @@ def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray], add_speci
             what = "encoder-decoder models" if name == "DECODER_QUERY" else "prompt-embedding tables"
             raise InvalidRequestError(f"{label} is not supported: this engine serves decoder-only models without "
                                       f"{what}; leave it empty")
+    if "REQUEST_OUTPUT_LEN" not in inputs:
+        raise InvalidRequestError("max_tokens is missing: send the number of tokens to generate as max_tokens")
     output_len = _rows("max_tokens", np.asarray(inputs["REQUEST_OUTPUT_LEN"]), batch).reshape(batch, -1)
     if output_len.shape[1] != 1:
         raise InvalidRequestError(f"max_tokens must hold one value per prompt, got {output_len.shape[1]}")
@@ -164,11 +172,12 @@ def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray], add_speci
         "EMBEDDING_BIAS": bias,
         "OUT_END_ID": _scalar_or_missing("end_id", inputs.get("END_ID"), batch),
         "OUT_PAD_ID": pad,
+        "STREAM_WHOLE_CHARACTERS": np.ones((batch, 1), dtype=bool),
     }
 
 
 def postprocess(token_bytes: TokenBytes, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Detokenise `TOKENS_BATCH[b, beam, :SEQUENCE_LENGTH[b, beam]]` into `OUTPUT[b, beam]` bytes."""
+    """Detokenise `TOKENS_BATCH[b, beam, :SEQUENCE_LENGTH[b, beam]]` into `OUTPUT[b * beams + beam]` bytes."""
     tokens = np.asarray(inputs["TOKENS_BATCH"])
     lengths = np.asarray(inputs["SEQUENCE_LENGTH"])
     if tokens.ndim != 3 or lengths.shape != tokens.shape[:2]:
@@ -176,9 +185,10 @@ def postprocess(token_bytes: TokenBytes, inputs: Mapping[str, np.ndarray]) -> di
             f"TOKENS_BATCH {list(tokens.shape)} / SEQUENCE_LENGTH {list(lengths.shape)} are not [B, beams, T] / "
             "[B, beams]"
         )
-    out = np.empty(tokens.shape[:2], dtype=object)
+    out = np.empty(tokens.shape[0] * tokens.shape[1], dtype=object)
     for b in range(tokens.shape[0]):
         for beam in range(tokens.shape[1]):
             length = int(lengths[b, beam])
-            out[b, beam] = token_bytes.decode(tokens[b, beam, :length])
+            text = token_bytes.decode(tokens[b, beam, :length])
+            out[b * tokens.shape[1] + beam] = text.decode("utf-8", "replace").encode()
     return {"OUTPUT": out}

@@ -17,7 +17,7 @@ class TritonPythonModel:
         parameters = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         if parameters.get("python_path"):  # the launcher pins the dhisparse package it was started from
             sys.path.insert(0, parameters["python_path"])
-        from dhisparse.disagg import ucx_binding
+        from dhisparse.serving import ucx_binding
         from dhisparse.disagg.nixl_transfer import NixlExporter
         from dhisparse.disagg.prefill import PrefillEngine, PrefillService
         from dhisparse.disagg.triton_context import ContextService
