@@ -5,8 +5,9 @@ single-process engine's:
   this machine joined over loopback; host B has its own copy of the engine directory), serves the single-process
   tokens through the `dhisparse` model and the ensemble, labels its per-rank figures on `/metrics`, and stopping the
   server stops host B's rank cleanly;
-* data-parallel attention: the same tokens; then a rank killed mid-stream — its client gets an error within seconds,
-  no client hangs, the model turns not-ready and `dhisparse-serve` exits with code 3, no rank process is left.
+* data-parallel attention: the same tokens, through the `dhisparse` model and through the OpenAI API beside it
+  (`--openai-port`, the official `openai` client); then a rank killed mid-stream — its client gets an error within
+  seconds, no client hangs, the model turns not-ready and `dhisparse-serve` exits with code 3, no rank process is left.
 """
 
 from __future__ import annotations
@@ -169,11 +170,13 @@ def _children(pid: int) -> set[int]:
 def test_data_parallel_serving_and_a_rank_killed_mid_stream(engine64, single_tokens, tmp_path) -> None:
     from dhisparse_client.serve_process import ServeProcess
 
-    serve = ServeProcess(engine64, log_path=tmp_path / "server.log", extra_args=("--data-parallel-size", "2"))
+    serve = ServeProcess(engine64, log_path=tmp_path / "server.log",
+                         extra_args=("--data-parallel-size", "2", "--openai-port", "0"))
     endpoints = serve.start()
     try:
         http, grpc = endpoints.http_url, endpoints.grpc_url
         assert [_stream_ids(grpc, http, p, TOKENS) for p in PROMPTS] == single_tokens
+        _check_openai_completions(endpoints, engine64, single_tokens)
         pids = _rank_pids(endpoints.metrics_url)
         assert set(pids) == {0, 1}
         results: dict[int, str] = {}
@@ -209,6 +212,21 @@ def test_data_parallel_serving_and_a_rank_killed_mid_stream(engine64, single_tok
         assert not any(_alive(p) for p in pids.values())
     finally:
         serve.stop()
+
+
+def _check_openai_completions(endpoints, engine: Path, single_tokens: list[list[int]]) -> None:
+    """The OpenAI API in front of the multi-rank engine: token-id prompts (both in one request, so the two data-parallel
+    groups serve them together) complete to the single-process engine's text and token counts."""
+    import openai
+
+    from dhisparse.serving.tokenization import TokenBytes, load_tokenizer
+
+    api = openai.OpenAI(base_url=endpoints.openai_url, api_key="unused", max_retries=0, timeout=120)
+    reply = api.completions.create(model=endpoints.openai_model, prompt=PROMPTS, max_tokens=TOKENS, temperature=0)
+    text = TokenBytes(load_tokenizer(engine))
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [
+        text.decode(ids).decode("utf-8", "replace") for ids in single_tokens]
+    assert reply.usage.completion_tokens == sum(len(ids) for ids in single_tokens)
 
 
 def _alive(pid: int) -> bool:
