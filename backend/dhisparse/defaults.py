@@ -26,6 +26,7 @@ MAX_PREFILL_TOKENS_PER_STEP = 4096  # prompt tokens admitted per engine step aft
 KV_DTYPE = "auto"  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows
 INDEX_KEY_DTYPE = "auto"  # "auto": indexer keys in the model dtype; "fp8": e4m3 + a float32 scale per key
 STREAM_PREFILL = True  # prompts stream into their host pages chunk by chunk (host-store policies, native rows)
+PREFIX_REUSE = True  # a prompt reuses the cached complete pages of earlier requests' sequences (docs/prefix_reuse.md)
 SPECULATIVE: str | None = None  # None, "dflash2" or "dspark"
 NUM_DRAFT_TOKENS = 4  # gamma: draft tokens per verification (verification length gamma + 1)
 DSPARK_BUSY_BATCH = 8  # DSpark: a batch at least this large counts as busy

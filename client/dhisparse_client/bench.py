@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dhisparse_client.aiperf import WORKLOADS, AIPerfError, Workload, find_aiperf, run_aiperf
+from dhisparse_client.bench_multiturn import run_multiturn
 from dhisparse_client.bench_report import (
     BenchRow,
     add_ratios,
@@ -74,18 +75,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--genai-perf", action="store_true",
                    help="also run genai-perf 0.0.8 at every level (WITH_GENAI_PERF=1 scripts/setup_triton.sh)")
     p.add_argument("--genai-perf-interval-ms", type=int, default=4000, help="genai-perf measurement window")
+    m = p.add_argument_group("--workload multi-turn: prefix reuse through Triton (dhisparse_client/bench_multiturn.py)")
+    m.add_argument("--workload", choices=("throughput", "multi-turn"), default="throughput",
+                   help="throughput: perf_analyzer (or --aiperf) per policy (default); multi-turn: conversations whose "
+                        "turns append to the whole history, served with and without prefix_reuse")
+    m.add_argument("--sessions", type=int, default=4, help="multi-turn: conversations")
+    m.add_argument("--turns", type=int, default=None,
+                   help="turns per conversation (--workload multi-turn: default 6; --aiperf-workload multi-turn: 3)")
+    m.add_argument("--turn-tokens", type=int, default=1024, help="multi-turn: tokens of each user message")
     a = p.add_argument_group("AIPerf against the OpenAI API (WITH_AIPERF=1 scripts/setup_triton.sh)")
     a.add_argument("--aiperf", action="store_true",
                    help="measure with AIPerf 0.13 against each server's OpenAI API instead of perf_analyzer")
     a.add_argument("--aiperf-workload", choices=WORKLOADS, default="synthetic",
                    help="synthetic prompts, or multi-turn chat conversations (each turn appends to the history)")
-    a.add_argument("--turns", type=int, default=3, help="turns per conversation (multi-turn)")
     a.add_argument("--aiperf-endpoint", choices=("chat", "completions"), default="chat",
                    help="OpenAI endpoint of the synthetic workload (multi-turn always uses chat)")
     a.add_argument("--aiperf-binary", type=Path, default=None, help="the aiperf command")
     a.add_argument("--chat-template", type=Path, default=None,
                    help="chat template for the servers (dhisparse-serve --chat-template), for engines without one")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.workload == "multi-turn" and args.aiperf:
+        p.error("--workload multi-turn drives Triton's dhisparse model itself; use --aiperf-workload multi-turn "
+                "for AIPerf's multi-turn chat")
+    if args.turns is None:
+        args.turns = 6 if args.workload == "multi-turn" else 3
+    if args.turns < 1:
+        p.error(f"--turns must be >= 1, got {args.turns}")
+    return args
 
 
 def _engine_options(args: argparse.Namespace, policy: str) -> dict[str, object]:
@@ -211,6 +227,8 @@ def run_all(args: argparse.Namespace, policies: list[str], binary: Path, input_d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.workload == "multi-turn":
+        return run_multiturn(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     baseline = args.baseline if args.baseline in policies else policies[0]
     try:

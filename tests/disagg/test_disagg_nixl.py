@@ -104,8 +104,8 @@ def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, i
             engine.kv.poll()
             assert stats["kv_admissions_waited"] >= 1, "the tight pool should make imports wait"
             after = engine.stats()
-            assert after["kv_required_bytes"] == 0 and after["kv_optional_bytes"] == 0
-            assert after["kv_host_pages_used"] == 0
+            assert after["kv_required_bytes"] == 0 and after["kv_optional_bytes"] == after["kv_prefix_device_bytes"]
+            assert after["kv_host_pages_used"] == after["kv_prefix_host_pages"]  # only the prefix cache's pages
             engine.kv.check_invariants()
         if policy == "adaptive":
             assert stats["kv_rows_direct"] > 0
@@ -132,7 +132,29 @@ def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, pro
         engine.kv.poll()
         stats = engine.stats()
         assert stats["transfers_failed"] == 1
-        assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0 and stats["kv_host_pages_used"] == 0
+        assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == stats["kv_prefix_device_bytes"]
+        assert stats["kv_host_pages_used"] == stats["kv_prefix_host_pages"]  # only the prefix cache's pages stay
         assert _wait_released(healthy)["regions_held"] == 0
     finally:
         doomed.close()
+
+
+@pytest.mark.parametrize("policy", ["hisparse", "adaptive"])
+def test_generation_engine_pulls_only_pages_it_does_not_hold(engine_dir, importer, worker, policy) -> None:
+    """Prefix reuse on the generation side: the second turn of a conversation hits the pages the first turn left
+    in its prefix cache (its prompt and decoded pages), so its READ brings only the pages after them; the tokens
+    are the co-located ones. (The context engine prefills the whole prompt: docs/prefix_reuse.md.)"""
+    engine = load_decode_engine(engine_dir, importer, kv_policy=policy, page_rows=8, max_batch_size=4)
+    first = random_prompts([29], 96, seed=21)[0]
+    rid = engine.add_imported_request(first, PARAMS, worker.prefill(first, PARAMS, f"{policy}-t0", ""), f"{policy}-t0")
+    second = first + _run(engine, [rid])[rid] + random_prompts([7], 96, seed=22)[0]
+    rid = engine.add_imported_request(second, PARAMS, worker.prefill(second, PARAMS, f"{policy}-t1", ""),
+                                      f"{policy}-t1")
+    got = _run(engine, [rid])[rid]
+    assert got == LLM(engine_dir, kv_policy="dense").generate([second], PARAMS)[0].token_ids
+    counters = engine.requests[rid].counters
+    cached = (len(first) + NEW_TOKENS - 1) // 8 * 8  # every complete page of the first turn's rows
+    assert counters["kv_prefix_reused_tokens"] == cached
+    layout = engine.kv.layout
+    assert counters["disagg_transfer_bytes_cached"] == cached * layout.num_sources * layout.row_bytes
+    engine.kv.check_invariants()

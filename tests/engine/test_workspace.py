@@ -21,8 +21,9 @@ TILE = 16
 
 
 def _llm(engine_dir, pool_bytes: int, chunk: int = 32) -> LLM:
+    # Whole prefills are measured, the same prompt twice: prefix reuse would prefill only the repeat's last page.
     return LLM(engine_dir, kv_policy="hisparse", max_batch_size=2, prefill_chunk_tokens=chunk, page_rows=16,
-               pool_bytes=pool_bytes, max_model_len=320)
+               pool_bytes=pool_bytes, max_model_len=320, prefix_reuse=False)
 
 
 def test_forward_allocations_stay_within_pool_plus_workspace_bound(tiny_engine, monkeypatch) -> None:
@@ -61,19 +62,20 @@ def test_tiled_indexer_selects_what_one_tile_selects(tiny_engine, monkeypatch, t
 
 
 def test_prefill_attention_tiled_over_queries_stays_within_the_bound(tiny_engine, monkeypatch) -> None:
-    """A whole 256-token prompt in one prefill chunk, every query attending to every earlier row (index_topk 512):
+    """A whole 312-token prompt in one prefill chunk, every query attending to every earlier row (index_topk 512):
     attention over one query tile at a time stays within pool + bound, the same prompt with all queries at once
-    (earlier versions) exceeds it, and both give the same tokens."""
+    (earlier versions) exceeds it, and both give the same tokens. (312 tokens: since the streamed prefill gathers
+    its rows from one table, all 256 queries of a 256-token prompt at once stay just under the bound.)"""
     engine_dir = tiny_engine("dsv32_dense_topk_large", "float32")
     monkeypatch.setattr(attention, "INDEX_TILE_TOKENS", 8 * TILE)
     monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", 2 * TILE)
-    pool = _llm(engine_dir, 1 << 30, 256).engine.kv.required_bytes(256, 2) * 2
-    llm = _llm(engine_dir, pool, 256)
+    pool = _llm(engine_dir, 1 << 30, 320).engine.kv.required_bytes(312, 3) * 2
+    llm = _llm(engine_dir, pool, 320)
     bound = llm.engine.workspace.total_bytes
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     llm.generate(random_prompts([20], 96, seed=1), params)  # allocates the host store's chunk (host memory)
     outputs: dict[str, list[int]] = {}
-    prompt = random_prompts([256], 96, seed=256)
+    prompt = random_prompts([312], 96, seed=256)
     peak = peak_bytes(lambda: outputs.__setitem__("tiled", llm.generate(prompt, params)[0].token_ids))
     assert peak <= pool + bound, f"peak {peak} > pool {pool} + bound {bound}"
     monkeypatch.setattr(attention, "QUERY_TILE_TOKENS", 1 << 30)  # the indexer's keys stay tiled

@@ -109,7 +109,8 @@ def test_device_path_reads_a_many_chunk_host_store_with_one_launch_per_fetch(tin
     engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
     prompts = random_prompts([9, 61, 40], 96, seed=5)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    options = {"kv_policy": "adaptive", "page_rows": 4, "refill_pages_per_step": 2}
+    # prefix_reuse off: the cache's key pages, taken at release after the last step, would add chunks to the span
+    options = {"kv_policy": "adaptive", "page_rows": 4, "refill_pages_per_step": 2, "prefix_reuse": False}
     probe = LLM(engine_dir, kernels="torch", **options)
     pool = 2 * probe.engine.kv.required_bytes(61, 8)
     ref_llm = LLM(engine_dir, kernels="torch", pool_bytes=pool, **options)

@@ -142,3 +142,36 @@ print("ok")
 ''', str(engine_dir))
     assert "failed: error" in out and "HostMemoryError" in out, out
     assert out.strip().endswith("ok")
+
+
+def test_refused_chunk_evicts_cached_pages_instead_of_waiting_on_them() -> None:
+    """Prefix reuse: the pages a finished request left cached hold host memory nobody will give back by finishing.
+    A chunk the OS refuses then evicts those nobody holds (their memory is reused) and admits, rather than wait."""
+    out = _run_child(LIMIT + '''
+import torch
+torch.set_num_threads(1)
+from dhisparse.kv import KVConfig, KVLayout, KVManager
+layout = KVLayout(2, [0, 1], 4096, torch.float32, [0], 3, 4, [[0, 1]])  # 16 KiB rows: few pages per chunk
+chunk = 128 << 20
+config = KVConfig(policy="hisparse", pool_bytes=1 << 24, hot_rows=8, page_rows=4, host_bytes=4 * chunk)
+m = KVManager(layout, config, "cpu", host_chunk_bytes=chunk)
+chunk_pages = chunk // (m.config.page_rows * layout.row_dim * 4)  # host pages (page_rows rows of one source)
+def tokens(fraction):  # a prompt whose host pages take about this fraction of a chunk
+    return int(fraction * chunk_pages / layout.num_sources) * m.config.page_rows
+a = list(range(tokens(0.3)))
+m.set_token_ids("a", a)
+assert m.try_admit("a", len(a), 8) and len(m.host.rows.chunks) == 1  # chunk 0, allocated before the limit
+m.import_prompt("a", torch.zeros(layout.num_sources, len(a), layout.row_dim),
+                {0: torch.zeros(len(a), layout.index_key_dim)})
+m.poll(); m.release("a"); m.poll()
+cached = m.stats()["kv_prefix_cached_pages"]
+assert cached > 0 and m.host.used_pages > 0 and not m.requests  # a's pages stay cached, held by nobody
+limit_address_space(16 << 20)  # room for bookkeeping, not for another chunk (a's 90 MB rows may free later)
+b = [t + 1 for t in range(tokens(0.8))]  # another prompt: no hit; chunk 0's free part is short
+m.set_token_ids("b", b)
+assert m.try_admit("b", len(b), 8)  # the refused chunk evicted a's cached pages; b took their memory
+m.check_invariants()
+assert len(m.host.rows.chunks) == 1 and m.stats()["kv_prefix_evicted_pages"] == cached
+print("ok")
+''')
+    assert out.strip().endswith("ok")

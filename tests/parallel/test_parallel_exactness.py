@@ -95,7 +95,8 @@ def test_parallel_tokens_equal_single_process(case, tiny_engine, v4_engine, spec
     assert stats["parallel_world_size"] == 2
     assert stats["requests_finished"] == 2 * len(prompts) + (2 if name == "glm_fsfs_sparse" else 0)
     if policy != "dense":
-        assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0  # everything released
+        assert stats["kv_required_bytes"] == 0  # everything released; the prefix cache's device copies may stay
+        assert stats["kv_optional_bytes"] == stats.get("kv_prefix_device_bytes", 0.0)
         assert stats["rank0_kv_pool_bytes"] == stats["rank1_kv_pool_bytes"] == overrides.get("pool_bytes", 256 << 20)
     if tight and policy in ("hisparse", "adaptive"):
         assert stats["kv_rows_host"] > 0  # the tight pool made the hierarchy fetch rows from the host store

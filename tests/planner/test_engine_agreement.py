@@ -18,7 +18,8 @@ NEW_TOKENS = [9, 14, 6, 11, 8, 10]
 
 
 def _run_engine(engine_dir, policy: str, pool_scale: float):
-    probe = LLM(engine_dir, kv_policy=policy, page_rows=4)
+    # The planner's replay models no prefix reuse (its cached pages and shared device copies change reclaims): off.
+    probe = LLM(engine_dir, kv_policy=policy, page_rows=4, prefix_reuse=False)
     smallest = probe.engine.kv.required_bytes(max(LENGTHS), max(NEW_TOKENS))
     recorders: list[RecordingKV] = []
 
@@ -27,7 +28,7 @@ def _run_engine(engine_dir, policy: str, pool_scale: float):
         return recorders[-1]
 
     llm = LLM(engine_dir, wrap_kv=record, kv_policy=policy, page_rows=4, pool_bytes=int(smallest * pool_scale),
-              refill_pages_per_step=3, max_batch_size=4, max_prefill_tokens_per_step=120)
+              refill_pages_per_step=3, max_batch_size=4, max_prefill_tokens_per_step=120, prefix_reuse=False)
     recorder = recorders[0]
     prompts = random_prompts(LENGTHS, 96, seed=3)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW_TOKENS]

@@ -1,7 +1,8 @@
 """Waiting for the served engine to return to idle, read through /metrics.
 
 Idle is defined by the KV manager's real occupancy statistics (`KVManager.stats`, docs/kv.md) plus the
-engine's and the serving layer's request gauges: with no request open, every tier is empty. A released
+engine's and the serving layer's request gauges: with no request open, every tier is empty but for the pages the
+prefix cache keeps (subtracted). A released
 request's pages are freed at the loop's next poll, so `kv_requests_releasing` may stay at 1 for a moment.
 """
 
@@ -18,9 +19,14 @@ REQUEST_GAUGES = ("requests_running", "requests_waiting", "serving_active_reques
 IDLE = dict.fromkeys(KV_OCCUPANCY + REQUEST_GAUGES, 0.0)
 
 
+# What the prefix cache keeps after its requests are gone (docs/prefix_reuse.md): not occupancy by a request.
+PREFIX_CACHE = {"kv_optional_bytes": "kv_prefix_device_bytes", "kv_host_pages_used": "kv_prefix_host_pages"}
+
+
 def occupancy(metrics: dict[str, float]) -> dict[str, float]:
-    """The occupancy subset of a `client.metrics()` snapshot (absent gauges read as missing, not 0)."""
-    return {k: metrics[k] for k in IDLE if k in metrics}
+    """The occupancy subset of a `client.metrics()` snapshot (absent gauges read as missing, not 0), less what the
+    prefix cache holds."""
+    return {k: metrics[k] - metrics.get(PREFIX_CACHE.get(k, ""), 0.0) for k in IDLE if k in metrics}
 
 
 def wait_idle(client, timeout_s: float = 20.0) -> dict[str, float]:

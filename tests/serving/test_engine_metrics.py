@@ -10,15 +10,15 @@ from dhisparse.serving.engine_metrics import RATIOS, interval_ratios, metric_nam
 def test_interval_ratios_use_the_increments_of_the_real_stat_names():
     previous = {"kv_rows_direct": 10.0, "kv_rows_hot": 5.0, "kv_rows_host": 5.0, "kv_resolved_rows": 20.0,
                 "kv_resolver_calls": 2.0, "draft_tokens_proposed": 8.0, "draft_tokens_accepted": 4.0,
-                "verify_rows": 2.0}
+                "verify_rows": 2.0, "kv_prefix_reused_tokens": 10.0, "kv_prefix_lookup_tokens": 20.0}
     current = {"kv_rows_direct": 16.0, "kv_rows_hot": 7.0, "kv_rows_host": 7.0, "kv_resolved_rows": 30.0,
                "kv_resolver_calls": 4.0, "draft_tokens_proposed": 16.0, "draft_tokens_accepted": 10.0,
-               "verify_rows": 4.0}
+               "verify_rows": 4.0, "kv_prefix_reused_tokens": 40.0, "kv_prefix_lookup_tokens": 60.0}
     ratios = interval_ratios(previous, current)
     assert ratios == pytest.approx({
         "kv_rows_direct_share": 0.6, "kv_rows_hot_share": 0.2, "kv_rows_host_share": 0.2,
         "resolved_rows_per_resolver_call": 5.0, "draft_acceptance_rate_interval": 0.75,
-        "tokens_per_verify_step_interval": 4.0,
+        "tokens_per_verify_step_interval": 4.0, "kv_prefix_hit_rate_interval": 0.75,
     })
     assert interval_ratios(current, current) == {}  # nothing happened: no ratio, not a division by zero
     assert set(ratios) == set(RATIOS)

@@ -91,7 +91,7 @@ def test_greedy_completions_equal_the_ensemble_and_the_offline_engine(api, trito
         assert reply.choices[0].finish_reason == reference.finish_reason
         assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(reference.token_ids))
         assert reply.usage.total_tokens == len(ids) + len(reference.token_ids)
-        assert reply.usage.prompt_tokens_details.cached_tokens == 0  # no prefix reuse in this engine yet
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0  # shorter than a page: nothing to reuse
         details = reply.usage.completion_tokens_details  # no drafter: nothing proposed
         assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (0, 0)
         stream = api.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
@@ -137,6 +137,34 @@ def test_chat_uses_the_template_streamed_and_not(api, offline_llm, tokenizer):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+
+
+def test_multi_turn_chat_reuses_the_history_and_answers_exactly(api, triton, offline_llm, tokenizer):
+    """Prefix reuse through /v1/chat/completions: each turn sends the whole history; the server reuses the cached
+    full pages (16 rows) of the previous turns, says how many prompt tokens in usage.prompt_tokens_details.cached_tokens
+    (= the engine's kv_prefix_reused_tokens), and every reply equals the dense reference engine's (no reuse)."""
+    messages = [{"role": "system", "content": "Speak plainly. " * 6},
+                {"role": "user", "content": "Whether 'tis nobler in the mind to suffer the slings and arrows"}]
+    earlier: list[int] = []  # the previous turn's prompt and reply, as the engine stored them
+    earlier_prompt = 0
+    for turn in range(3):
+        ids = _chat_ids(tokenizer, messages)
+        reference = _offline(offline_llm, ids, max_tokens=MAX_TOKENS)
+        settle(triton)  # /metrics is refreshed every 100 ms: read counters when current
+        before = triton.metrics().get("kv_prefix_reused_tokens", 0.0)
+        reply = api.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=MAX_TOKENS,
+                                            temperature=0)
+        assert reply.choices[0].message.content == _text(tokenizer, reference.token_ids)
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        settle(triton)
+        assert cached % 16 == 0 and cached == triton.metrics()["kv_prefix_reused_tokens"] - before
+        if turn:  # at least the previous prompt's full pages that this prompt starts with; at most what it shares
+            common = next((i for i, (a, b) in enumerate(zip(earlier, ids, strict=False)) if a != b),
+                          min(len(earlier), len(ids)))
+            assert 16 <= min(common, earlier_prompt) // 16 * 16 <= cached <= min(common, len(ids) - 1)
+        earlier, earlier_prompt = ids + list(reference.token_ids), len(ids)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": f"And turn {turn + 2}: by opposing end them?"}]
 
 
 def test_two_choices_sample_with_seed_plus_index(api, offline_llm, tokenizer):

@@ -68,8 +68,8 @@ class NixlImports:
         self.transferring: dict[str, tuple[Request, PendingRead, int, HostRowsTarget | None]] = {}
         self._abandoned: dict[str, str] = {}  # request id -> abort reason, for transferring requests cancelled
         self.counters: dict[str, float] = dict.fromkeys(
-            ("transfers", "transfer_seconds", "transfer_bytes", "transfers_failed", "context_queue_seconds",
-             "context_prefill_seconds"), 0.0)
+            ("transfers", "transfer_seconds", "transfer_bytes", "transfer_bytes_cached", "transfers_failed",
+             "context_queue_seconds", "context_prefill_seconds"), 0.0)
 
     def start(self, req: Request) -> Sampled | None:
         """Post the READ of the admitted request's history; it joins the batch when the READ completed."""
@@ -102,7 +102,8 @@ class NixlImports:
                 raise TransferError(f"context_phase_params: rows of {layout.row_dim} × {layout.rows_dtype} do not "
                                     f"match this engine's host store ({host.row_dim} × {host.dtype})")
             page_rows = target.page_rows
-            starts = torch.arange(0, layout.prompt_len, page_rows)
+            # pages of a cached prefix (prefix reuse) are held already: only the pages after it are pulled
+            starts = torch.arange(target.cached_rows, layout.prompt_len, page_rows)
             run = (layout.prompt_len - starts).clamp(max=page_rows)
             sources = torch.arange(layout.num_sources).unsqueeze(1)
             first = target.row_index[:, starts]  # [S, pages] global host rows of each page's first prompt row
@@ -114,6 +115,10 @@ class NixlImports:
             persistent.extend(host.chunks)
         pending = self.importer.post(context, persistent, [buffer], np.concatenate(local), np.concatenate(remote),
                                      np.concatenate(lengths))
+        # bytes READ; the rows of a cached prefix (prefix reuse) are held already and not pulled
+        req.counters["disagg_transfer_bytes"] = float(sum(int(n.sum()) for n in lengths))
+        req.counters["disagg_transfer_bytes_cached"] = float(
+            0 if target is None else target.cached_rows * layout.num_sources * layout.row_bytes)
         self.transferring[req.request_id] = (req, pending, meta_start, target)
 
     def poll(self) -> list[Arrival]:
@@ -165,9 +170,9 @@ class NixlImports:
         layout = pending.context.layout
         seconds = time.monotonic() - pending.started
         req.counters["disagg_transfer_s"] = seconds
-        req.counters["disagg_transfer_bytes"] = float(layout.total_bytes)
         self.counters["transfer_seconds"] += seconds
-        self.counters["transfer_bytes"] += layout.total_bytes
+        self.counters["transfer_bytes"] += req.counters["disagg_transfer_bytes"]
+        self.counters["transfer_bytes_cached"] += req.counters["disagg_transfer_bytes_cached"]
         self.counters["transfers"] += 1
         buffer = pending.buffers[0]
         keys = {k: v.clone() for k, v in layout.unpack_keys(buffer, meta_start).items()}

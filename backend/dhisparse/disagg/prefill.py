@@ -5,6 +5,8 @@ model's chunked prefill over a local KV and returns the prompt's rows ``[num_sou
 indexer keys of every indexer layer, the drafter's context features (when the engine speculates: the last
 ``window`` positions, exactly what the decode side's draft ring starts from) and the first token, sampled
 with the request's own random stream (position 0), so the decode side continues the co-located sequence.
+With ``prefix_reuse`` (DSA models) it prefills only what follows the prompt's longest cached prefix
+(``disagg/context_cache.py``).
 
 ``PrefillService`` is what one context process runs: ``run`` prefills, packs the history into one region,
 registers it with the NIXL exporter and returns the :class:`ContextPhaseParams`; ``poll`` frees regions
@@ -22,12 +24,16 @@ from typing import Any
 
 import torch
 
+from dhisparse.disagg.context_cache import ContextPrefixCache
 from dhisparse.disagg.nixl_transfer import NixlExporter
 from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name, prompt_digest
 from dhisparse.engine.executor import BatchSampling
 from dhisparse.engine.loading import load_engine_parts
 from dhisparse.engine.request import Request
 from dhisparse.errors import InvalidRequestError
+from dhisparse.kv.host_store import default_host_bytes
+from dhisparse.model.kv_view import LocalKV
+from dhisparse.model.model import DSAModel
 from dhisparse.sampling import SamplingParams, seed_to_int64
 
 
@@ -41,6 +47,7 @@ class ContextResult:
     index_keys: dict[int, torch.Tensor]
     features: torch.Tensor | None
     prefill_s: float
+    cached_tokens: int = 0  # prompt tokens found in the context engine's prefix cache (not computed)
 
 
 class PrefillEngine:
@@ -51,6 +58,11 @@ class PrefillEngine:
         model_cfg = self.model.cfg
         self.max_model_len = min(self.config.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
+        self.cache: ContextPrefixCache | None = None
+        if self.config.prefix_reuse and isinstance(self.model, DSAModel):
+            window = self.spec.ring.window if self.spec is not None else 1
+            self.cache = ContextPrefixCache(self.config.page_rows, self.config.host_bytes or default_host_bytes(),
+                                            window, f"{model_cfg!r}/{self.config.dtype}")
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         vocab = self.model.cfg.vocab_size
@@ -68,7 +80,19 @@ class PrefillEngine:
         self.validate(prompt, params)
         began = time.perf_counter()
         layers = self.spec.layers if self.spec is not None else ()
-        out = self.model.prefill(prompt, chunk_tokens=self.config.prefill_chunk_tokens, capture_hidden=layers)
+        cached, options = 0, {}
+        if self.cache is not None:
+            assert isinstance(self.model, DSAModel)
+            cfg = self.model.cfg
+            local = LocalKV(cfg.num_hidden_layers, cfg.indexer_layers, len(prompt), cfg.row_dim, cfg.index_head_dim,
+                            self.model.dtype, self.model.device)
+            keys = self.cache.keys_of(prompt)
+            cached = self.cache.restore(local, prompt, keys)
+            options = {"store": local, "start": cached}
+        out = self.model.prefill(prompt, chunk_tokens=self.config.prefill_chunk_tokens, capture_hidden=layers,
+                                 **options)  # type: ignore[arg-type]
+        if self.cache is not None:
+            self.cache.insert(local, keys, cached // self.config.page_rows)
         seed = seed_to_int64(params.seed if params.seed is not None else zlib.crc32(request_id.encode()))
         req = Request(request_id, list(prompt), params, seed)
         # The co-located engine's first-token rule: its logit processing (penalties, bias, bans), then sampling.
@@ -78,7 +102,7 @@ class PrefillEngine:
         features = None
         if self.spec is not None:
             features = self.spec.features(out.hidden)[-self.spec.ring.window :]
-        return ContextResult(first, seed, out.rows, out.index_keys, features, time.perf_counter() - began)
+        return ContextResult(first, seed, out.rows, out.index_keys, features, time.perf_counter() - began, cached)
 
 
 class PrefillService:
@@ -107,6 +131,8 @@ class PrefillService:
         addr = region.data_ptr()
         self.counters["context_requests"] += 1
         self.counters["context_prefill_seconds"] += result.prefill_s
+        self.counters["context_prefill_tokens"] = self.counters.get("context_prefill_tokens", 0.0) + len(prompt) \
+            - result.cached_tokens
         return ContextPhaseParams(
             request_key=key, agent_name=self.exporter.name, region_addr=addr, layout=layout,
             first_token=result.first_token, seed=result.seed,
@@ -118,7 +144,8 @@ class PrefillService:
         self.exporter.poll()
 
     def stats(self) -> dict[str, float]:
-        return {**self.counters, **self.exporter.stats()}
+        cache = self.engine.cache.stats() if self.engine.cache is not None else {}
+        return {**self.counters, **cache, **self.exporter.stats()}
 
     def close(self) -> None:
         self.exporter.close()

@@ -41,6 +41,7 @@ class EngineConfig:
     kv_dtype: str = defaults.KV_DTYPE  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy only)
     index_key_dtype: str = defaults.INDEX_KEY_DTYPE  # "auto": the model dtype; "fp8": e4m3 + a float32 scale per key
     stream_prefill: bool = defaults.STREAM_PREFILL  # prompts go to their host pages chunk by chunk (host-store, native)
+    prefix_reuse: bool = defaults.PREFIX_REUSE  # prompts reuse cached complete pages of earlier sequences
     refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
     speculative: str | None = defaults.SPECULATIVE
     num_draft_tokens: int = defaults.NUM_DRAFT_TOKENS
@@ -101,13 +102,18 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def kv_config(self, max_query_len: int, draft_ring_bytes: int, max_model_len: int) -> KVConfig:
+    def kv_config(self, max_query_len: int, draft_ring_bytes: int, max_model_len: int,
+                  prefix_min_suffix_tokens: int = 1, prefix_model_key: str = "") -> KVConfig:
         """The KV hierarchy's budget and policy for this configuration (``max_query_len``: 1, or gamma + 1 when
-        speculating; ``draft_ring_bytes``: the drafter's ring per request, required memory)."""
+        speculating; ``draft_ring_bytes``: the drafter's ring per request, required memory;
+        ``prefix_min_suffix_tokens``: the drafter's window when speculating, else 1; ``prefix_model_key``: names the
+        model in the prefix cache's page keys)."""
         return KVConfig(
             policy=self.kv_policy, pool_bytes=self.pool_bytes, hot_rows=self.hot_rows, page_rows=self.page_rows,
             reserve_bytes=self.reserve_bytes, refill_pages_per_step=self.refill_pages_per_step,
             max_query_len=max_query_len, draft_ring_bytes=draft_ring_bytes, host_bytes=self.host_bytes,
+            prefix_reuse=self.prefix_reuse, prefix_min_suffix_tokens=prefix_min_suffix_tokens,
+            prefix_model_key=prefix_model_key,
             # The persistent batch state (kv/batch_state.py) is allocated once for these.
             max_batch_size=self.max_batch_size, max_model_len=max_model_len)
 

@@ -96,9 +96,14 @@ class Executor:
 
     # -------------------------------------------------------------------------------------------- prefill
     def prefill(self, req: Request) -> Sampled:
-        """Prefill the admitted request's prompt into the KV store (chunk by chunk) and sample its first token."""
+        """Prefill the admitted request's prompt into the KV store (chunk by chunk) and sample its first token.
+        With a prefix hit (``KVStore.cached_prefix_tokens``) only the positions after the cached prefix are computed;
+        the drafter's window lies among them (the store leaves that many tokens uncached)."""
+        cached = self.kv.cached_prefix_tokens(req.request_id)
         store = self.kv.prefill_kv(req.request_id, self.prefill_chunk_tokens)
-        options = {"store": store} if store is not None else {}  # the DSA model streams into it
+        options: dict[str, object] = {"store": store} if store is not None else {}  # the DSA model streams into it
+        if cached:
+            options["start"] = cached
         out = self.model.prefill(req.prompt_token_ids, chunk_tokens=self.prefill_chunk_tokens,
                                  capture_hidden=self.spec.layers if self.spec else (),
                                  all_logits=req.params.context_logits, on_chunk=self._prefill_chunk_hook,
@@ -107,9 +112,11 @@ class Executor:
             req.context_logits = out.all_logits
         self.kv.import_prompt(req.request_id, out.rows, out.index_keys)  # keys written in place: the store knows
         if self.spec is not None:
-            req.spec_state = self.spec.start(self.spec.features(out.hidden))
+            req.spec_state = self.spec.start(self.spec.features(out.hidden), req.prompt_len)  # the computed positions
         req.num_computed = req.prompt_len
-        self.counters["prefill_tokens"] += req.prompt_len
+        self.counters["prefill_tokens"] += req.prompt_len - cached  # computed
+        self.counters["prefill_tokens_reused"] += cached
+        req.counters["prefill_tokens_reused"] = float(cached)
         return self.sample_one([req], out.logits.unsqueeze(0))[0]
 
     def _prefill_chunk_hook(self, start: int) -> None:

@@ -176,7 +176,7 @@ class LLMEngine:
         else:
             if self.spec is not None:
                 assert arrival.features is not None
-                req.spec_state = self.spec.start(arrival.features.to(self.model.device))
+                req.spec_state = self.spec.start(arrival.features.to(self.model.device), req.prompt_len)
             req.num_computed = req.prompt_len
             self.scheduler.start_running(req)
             self._append(req, arrival.first, updates)
@@ -271,6 +271,8 @@ class LLMEngine:
         if req.kv_admitted or req.counters.get("waited"):  # a refused request may be queued by the store too
             if req.kv_admitted:
                 req.counters.update(self.kv.request_stats(req.request_id))
+                if reason != "error":  # its complete pages may serve later requests (prefix reuse)
+                    self.kv.set_token_ids(req.request_id, req.prompt_token_ids + req.output_token_ids)
             req.kv_admitted = False
             self.kv.release(req.request_id)
         if self.spec is not None and req.spec_state is not None:
@@ -281,10 +283,12 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------------- stats
     def request_stats(self, req: Request) -> dict[str, float]:
-        """Timing (``Request.timing``), counters, and ``kv_pages``: the KV pages (``page_rows`` rows each, per
-        KV source) the request's stored tokens span."""
+        """Timing (``Request.timing``), counters, ``kv_pages``: the KV pages (``page_rows`` rows each, per KV source)
+        the request's stored tokens span, and ``kv_prefix_reused_pages``: of those, found in the prefix cache."""
         pages = -(-req.num_computed // self.cfg.page_rows) if self.cfg.page_rows else 0
-        return {**req.timing(), **req.counters, "kv_pages": float(pages), "cum_log_prob": req.cum_log_prob}
+        reused = int(req.counters.get("prefill_tokens_reused", 0.0)) // self.cfg.page_rows
+        return {**req.timing(), **req.counters, "kv_pages": float(pages), "kv_prefix_reused_pages": float(reused),
+                "cum_log_prob": req.cum_log_prob}
 
     def stats(self) -> dict[str, float]:
         out = {k: float(v) for k, v in self.counters.items()}

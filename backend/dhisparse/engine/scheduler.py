@@ -7,7 +7,8 @@ It owns the waiting queue and the running batch and decides, each step:
 - **batch composition**: at most ``max_batch_size`` requests hold a batch slot, counting those whose prompt is
   still arriving (disaggregated decode);
 - **chunked-prefill budget**: after the first admission of a step, admissions stop once the step's prompt tokens
-  would pass ``max_prefill_tokens_per_step`` (decode is not starved by a burst of long prompts);
+  would pass ``max_prefill_tokens_per_step`` (decode is not starved by a burst of long prompts); an admitted
+  request counts the tokens its prefill computes (a prefix hit's cached tokens are not computed);
 - **DSpark's load-aware verification**: the confidence a draft prefix needs before it is verified rises from
   ``dspark_min_confidence`` to ``dspark_busy_confidence`` when the batch holds ``dspark_busy_batch`` requests or more.
 """
@@ -65,7 +66,8 @@ class Scheduler:
             req = self.waiting[0]
             if prefilled and prefilled + req.prompt_len > self.max_prefill_tokens_per_step:
                 return
-            try:
+            try:  # the prompt's token ids first: the store may find a prefix of it cached (prefix reuse)
+                self.kv.set_token_ids(req.request_id, req.prompt_token_ids, reuse=not req.params.context_logits)
                 admitted = self.kv.try_admit(req.request_id, req.prompt_len, req.params.max_tokens)
             except Exception as exc:
                 yield Admission(req, exc)
@@ -80,7 +82,7 @@ class Scheduler:
             self.waiting.popleft()
             req.kv_admitted = True
             req.admitted_time = time.perf_counter()
-            prefilled += req.prompt_len
+            prefilled += req.prompt_len - self.kv.cached_prefix_tokens(req.request_id)  # what its prefill computes
             yield Admission(req)
 
     def start_running(self, req: Request) -> None:

@@ -151,7 +151,11 @@ def plan_device(model_cfg: ModelConfig | DeepseekV4Config, cfg: EngineConfig, sp
             raise ConfigError("pool_bytes 0 ('auto') needs the device workspace bound, which is not modelled "
                               "for deepseek_v4; set pool_bytes")
         cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(resolve_device(cfg.device), workspace))
-    kv_config = None if policy.reference_store else cfg.kv_config(query_len, ring, max_model_len)
+    # Prefix reuse leaves the drafter's window uncached (its ring is seeded from the prefill's hidden states) and
+    # keys pages by the model's configuration.
+    window = spec.ring.window if spec is not None else 1
+    kv_config = None if policy.reference_store else cfg.kv_config(query_len, ring, max_model_len, window,
+                                                                  repr(model_cfg))
     return cfg, workspace, kv_config
 
 

@@ -242,6 +242,13 @@ class KVConfig:
             ``kv/batch_state.py``; its initial size when it grows); 0 = grow from a few slots.
         max_model_len: the most tokens of one request (positions per slot of the batch state); 0 = grow on demand.
             With both set (the engine sets both) the batch state is allocated once, at start.
+        prefix_reuse: keep complete pages of finished and running requests in a prefix cache and let a request
+            whose prompt starts with cached pages reuse them (``kv/prefix_reuse.py``; host-store policies with
+            native rows and keys and the streamed prefill; a no-op elsewhere).
+        prefix_min_suffix_tokens: the fewest trailing prompt tokens a prefill computes with a hit (>= 1: the last
+            token's logits; the engine sets the drafter's window when speculating, whose hidden states seed its
+            ring).
+        prefix_model_key: what names the model in the cache's page keys (with the layout, dtype and page size).
     """
 
     policy: KVPolicy | str = defaults.KV_POLICY  # a name is turned into its policy object (validated)
@@ -257,6 +264,9 @@ class KVConfig:
     host_bytes: int = defaults.HOST_BYTES
     max_batch_size: int = defaults.MAX_BATCH_SIZE
     max_model_len: int = defaults.MAX_MODEL_LEN
+    prefix_reuse: bool = defaults.PREFIX_REUSE
+    prefix_min_suffix_tokens: int = 1
+    prefix_model_key: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", policy_named(self.policy, "kv policy", KV_POLICIES))
@@ -283,6 +293,8 @@ class KVConfig:
                               f"{self.max_batch_size}, {self.max_model_len}")
         if self.max_query_len < 1:
             raise ConfigError(f"max_query_len must be >= 1, got {self.max_query_len}")
+        if self.prefix_min_suffix_tokens < 1:
+            raise ConfigError(f"prefix_min_suffix_tokens must be >= 1, got {self.prefix_min_suffix_tokens}")
 
     @property
     def kv_policy(self) -> KVPolicy:

@@ -147,6 +147,12 @@ class V4DenseKVStore:
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         return True
 
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        return None  # no prefix reuse for DeepSeek-V4 (docs/prefix_reuse.md: window and compressor state)
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        return 0
+
     def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
         return None
 
@@ -194,7 +200,8 @@ class V4DenseKVStore:
         return KVMemory()
 
     def stats(self) -> dict[str, float]:
-        return {"kv_requests": float(len(self.slots)), "kv_host_syncs": float(self.sync.reads)}
+        return {"kv_requests": float(len(self.slots)), "kv_host_syncs": float(self.sync.reads),
+                "kv_prefix_reuse_enabled": 0.0}
 
     def request_stats(self, request_id: str) -> dict[str, float]:
         slot = self.slots.get(request_id)
@@ -221,7 +228,9 @@ class V4HierarchyKVStore:
         item = dtype.itemsize
         self.state_bytes = tail_state_bytes(cfg, max_model_len, row_bytes=cfg.head_dim * item,
                                             index_key_bytes=cfg.index_head_dim * item, pending_value_bytes=item)
-        kv_config = KVConfig(**{**kv_config.__dict__,
+        # No prefix reuse for V4 (docs/prefix_reuse.md): a hit could not restore the sliding window and the
+        # compressor's pending state from cached entries, so every prompt is prefilled in full.
+        kv_config = KVConfig(**{**kv_config.__dict__, "prefix_reuse": False,
                                 "model_state_bytes": kv_config.model_state_bytes + self.state_bytes})
         self.inner = KVManager(self.layout, kv_config, device, **manager_options)  # type: ignore[arg-type]
         in_hierarchy = {(layer, "kv") for layer in self.kv_layer}
@@ -250,6 +259,12 @@ class V4HierarchyKVStore:
 
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         return self.inner.try_admit(request_id, *entry_rows(prompt_len, max_new_tokens, self.rate))
+
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        return None  # no prefix reuse for DeepSeek-V4 (docs/prefix_reuse.md: window and compressor state)
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        return 0
 
     def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
         return None  # the V4 prefill builds its whole state locally

@@ -89,6 +89,12 @@ class DenseKVStore:
         self.stores[request_id] = _Store(self.cfg, capacity, self.dtype, self.device)
         return True
 
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        return None  # no prefix cache: the reference prefills every prompt in full
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        return 0
+
     def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
         return None  # the prefill's local rows are imported whole
 
@@ -147,7 +153,8 @@ class DenseKVStore:
         """No byte accounting to break (the drill's step still fails)."""
 
     def stats(self) -> dict[str, float]:
-        return {"kv_requests": float(len(self.stores)), "kv_host_syncs": float(self.sync.reads)}
+        return {"kv_requests": float(len(self.stores)), "kv_host_syncs": float(self.sync.reads),
+                "kv_prefix_reuse_enabled": 0.0}
 
     def request_stats(self, request_id: str) -> dict[str, float]:
         return {}

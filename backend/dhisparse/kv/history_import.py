@@ -27,7 +27,7 @@ from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_VALID, HostStore
 from dhisparse.kv.index_keys import write_request_keys
 from dhisparse.kv.policies import KVPolicy
-from dhisparse.kv.request_state import OPT_READY, RequestKV
+from dhisparse.kv.request_state import OPT_ABSENT, OPT_READY, RequestKV
 
 
 def history_host_rows(req: RequestKV, host: HostStore) -> torch.Tensor:
@@ -66,9 +66,14 @@ def import_host_rows(req: RequestKV, policy: KVPolicy, pool: DevicePool, host: H
         return
 
     prompt_pages = req.prompt_pages
-    order = torch.arange(prompt_pages).unsqueeze(0) * num_sources + torch.arange(num_sources).unsqueeze(1)
-    keep_count = min(prompt_pages * num_sources, max(pool.spare_bytes, 0) // pool.page_bytes)
-    if keep_count < prompt_pages * num_sources:
+    # Page-major rank among the pages still absent (a prefix hit's pages may already map a shared device copy,
+    # kv/prefix_device.py); the others rank past every candidate.
+    absent = (req.opt_state == OPT_ABSENT).T.reshape(-1)  # page-major
+    rank = torch.where(absent, torch.cumsum(absent, 0) - 1, prompt_pages * num_sources)
+    order = rank.view(prompt_pages, num_sources).T
+    candidates = int(absent.sum())
+    keep_count = min(candidates, max(pool.spare_bytes, 0) // pool.page_bytes)
+    if keep_count < candidates:
         req.may_refill = True  # some complete pages stay on host only; refill may bring them later
     if keep_count == 0:
         return
@@ -97,5 +102,6 @@ def set_index_keys(req: RequestKV, index_keys: Mapping[int, torch.Tensor], layou
         if tuple(keys.shape) != (req.prompt_len, layout.index_key_dim):
             raise ValueError(f"{what}: index_keys[{layer}] must be [{req.prompt_len}, {layout.index_key_dim}], "
                              f"got {list(keys.shape)}")
+    start = req.prefix_reused_tokens  # a cached prefix's keys are in already (prefix reuse)
     for layer, keys in index_keys.items():
-        write_request_keys(pool, layout, req, layer_index[layer], 0, keys)
+        write_request_keys(pool, layout, req, layer_index[layer], start, keys[start:])

@@ -8,6 +8,7 @@ import torch
 
 from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID
 from dhisparse.kv.index_keys import request_keys
+from dhisparse.kv.prefix_cache import check_cache
 from dhisparse.kv.request_state import (
     OPT_ABSENT,
     OPT_BACKING_UP,
@@ -16,6 +17,7 @@ from dhisparse.kv.request_state import (
     OPT_REFILL_CANCELLED,
     OPT_REFILLING,
     OPT_RETIRED,
+    OPT_SHARED,
     RequestKV,
 )
 
@@ -47,12 +49,15 @@ def check_manager_invariants(m: KVManager) -> None:
     required = sum(r.footprint.required_bytes for r in alive)
     if required != pool.required_bytes:
         _fail("required accounting", f"pool says {pool.required_bytes}, requests hold {required}")
-    optional = sum(r.optional_pages_on_device() for r in alive) * pool.page_bytes
+    prefix = m.prefix
+    cached_device = prefix.device.resident_pages() + prefix.device.retiring_pages
+    optional = (sum(r.optional_pages_on_device() for r in alive) + cached_device) * pool.page_bytes
     if optional != pool.optional_bytes:
-        _fail("optional accounting", f"pool says {pool.optional_bytes}, requests hold {optional}")
+        _fail("optional accounting", f"pool says {pool.optional_bytes}, requests and the prefix cache hold {optional}")
     owned = [torch.cat([r.tail_ring.reshape(-1), r.hot_pages.reshape(-1), r.staging_pages, r.key_page_ids,
                         r.opt_page[r.opt_page >= 0]])
              for r in alive]
+    owned += list(prefix.device.owned_pages())
     owned_pages = torch.cat(owned) if owned else torch.zeros(0, dtype=torch.int64)
     if owned_pages.unique().numel() != owned_pages.numel():
         _fail("page ownership", "an arena page is owned twice")
@@ -61,19 +66,65 @@ def check_manager_invariants(m: KVManager) -> None:
     if pool.num_pages - pool.free_pages != owned_pages.numel():
         _fail("page ownership", f"{pool.num_pages - pool.free_pages} pages allocated, "
                                 f"{owned_pages.numel()} owned")
-    if cfg.uses_host:
-        host = torch.cat([r.host_pages.reshape(-1) for r in alive if r.host_pages is not None] or
-                         [torch.zeros(0, dtype=torch.int64)])
+    if cfg.uses_host:  # a request owns its pages past its prefix-cache holds; the cache owns its entries' pages
+        host = torch.cat([r.host_pages[:, len(r.prefix_held):].reshape(-1) for r in alive if r.host_pages is not None]
+                         + [prefix.owned_host_pages()])
         if host.unique().numel() != host.numel() or host.numel() != m.host.used_pages:
             _fail("host ownership", f"{m.host.used_pages} host pages used, {host.numel()} owned")
+    _check_prefix_cache(m, alive)
     _check_slots(m)
     for req in m.requests.values():
         _check_request(m, req)
     if not alive and not m.waiting:
-        if pool.required_bytes or pool.optional_bytes or pool.free_pages != pool.num_pages:
-            _fail("empty pool", "no request is alive but the pool is not empty")
-        if m.host.used_pages:
-            _fail("empty pool", "no request is alive but host pages are in use")
+        cached = torch.cat(list(prefix.device.owned_pages()) or [torch.zeros(0, dtype=torch.int64)])
+        if pool.required_bytes or pool.optional_bytes != cached.numel() * pool.page_bytes or \
+                pool.free_pages != pool.num_pages - cached.numel():
+            _fail("empty pool", "no request is alive but the pool holds more than the prefix cache's pages")
+        if m.host.used_pages != prefix.owned_host_pages().numel():
+            _fail("empty pool", "no request is alive but host pages beyond the prefix cache's are in use")
+
+
+def _check_prefix_cache(m: KVManager, alive: list[RequestKV]) -> None:
+    """Prefix reuse: the index agrees with the requests' holds (reference counts, parents, prefixes); a held page's
+    host pages are the entry's and host-valid; shared device copies are mapped exactly by the requests whose state
+    says so (``mappers``), never by a released one; with ``verify`` (tests) no entry's host rows ever changed
+    (copy-on-write)."""
+    prefix = m.prefix
+    problem = check_cache(prefix.cache, [r.prefix_held for r in alive])
+    if problem is not None:
+        _fail("prefix cache", problem)
+    mappers: dict[int, int] = {}
+    for req in alive:
+        held = req.prefix_held
+        if held and req.host_pages is not None:
+            want = torch.stack([e.host_pages for e in held], 1)
+            if not torch.equal(req.host_pages[:, : len(held)], want):
+                _fail("prefix cache", f"{req.request_id}: a held page's host pages are not the entry's")
+            if bool((req.host_state[:, : len(held)] != HOST_VALID).any()):
+                _fail("prefix cache", f"{req.request_id}: a held page is not host-valid")
+        shared = req.opt_state == OPT_SHARED
+        if not bool(shared.any()):
+            continue
+        if req.request_id not in m.requests:
+            _fail("prefix cache", f"{req.request_id}: a released request still maps a shared device copy")
+        table = req.page_table.cpu()
+        for i in torch.nonzero(shared.any(0)).flatten().tolist():
+            entry = held[i] if i < len(held) else None
+            if entry is None or entry.device_pages is None:
+                _fail("prefix cache", f"{req.request_id}: page {i} maps a shared copy its entry does not have")
+                return
+            cols = shared[:, i]
+            if not torch.equal(table[cols, i], entry.device_pages[cols]):
+                _fail("prefix cache", f"{req.request_id}: page {i} maps another page than its entry's copy")
+            mappers[id(entry)] = mappers.get(id(entry), 0) + 1
+    holders = {id(e) for e in prefix.cache.entries.values() if e.device_pages is not None}
+    if holders != set(prefix.device.holders):
+        _fail("prefix cache", "the device copies the cache tracks are not the entries holding one")
+    for e in prefix.cache.entries.values():
+        if e.mappers != mappers.get(id(e), 0):
+            _fail("prefix cache", f"page {e.depth}'s copy counts {e.mappers} mappers, {mappers.get(id(e), 0)} map it")
+        if e.snapshot is not None and not torch.equal(prefix.entry_rows(e), e.snapshot):
+            _fail("copy-on-write", f"cached page {e.depth}'s host rows or keys changed after it was registered")
 
 
 def _check_slots(m: KVManager) -> None:
@@ -101,7 +152,8 @@ def _check_slots(m: KVManager) -> None:
             _fail("batch slots", f"{req.request_id}: key-page table of slot {slot} is not its key pages")
         if m.step is None and blocks:
             keys = request_keys(m.pool, req.key_pages, blocks * m.pool.keys_per_page)
-            if bool(keys[:, req.length:].any()):
+            known = req.length if req.imported else req.prefix_reused_tokens  # a hit's keys are in before import
+            if bool(keys[:, known:].any()):
                 _fail("index keys", f"{req.request_id}: indexer keys past the length are not zero")
     free = batch.free_slots
     if free:
@@ -130,14 +182,15 @@ def _check_request(m: KVManager, req: RequestKV) -> None:
             _fail("tail map", f"{rid}: page {i} is not mapped to ring slot {i % req.tail_pages}")
     if not step_open and bool(mapped[:, used_pages:].any()):
         _fail("tail map", f"{rid}: a page past the accepted length is mapped between steps")
-    # Optional pages: mapped exactly when ready (or ready and being backed up).
+    # Optional pages: mapped exactly when ready (or ready and being backed up, or a shared prefix copy).
     state = req.opt_state
-    should_map = _isin(state, (OPT_READY, OPT_BACKING_UP))
+    should_map = _isin(state, (OPT_READY, OPT_BACKING_UP, OPT_SHARED))
+    own = _isin(state, (OPT_READY, OPT_BACKING_UP))
     pp = req.prompt_pages
     if pp:
         if not torch.equal(mapped[:, :pp], should_map):
             _fail("optional map", f"{rid}: mapped optional pages differ from ready ones")
-        if not torch.equal(table[:, :pp][should_map], req.opt_page[should_map]):
+        if not torch.equal(table[:, :pp][own], req.opt_page[own]):
             _fail("optional map", f"{rid}: page table points at another arena page than opt_page")
         on = _isin(state, OPT_ON_DEVICE)
         if not torch.equal(on, req.opt_page >= 0):

@@ -21,6 +21,11 @@ While any admission waits, refill is paused.
 Host tier: the host store has a fixed capacity (``KVConfig.host_bytes``); a host-backed admission also needs
 host pages for the request's whole capacity and waits (``try_admit`` returns False) while they are not free.
 
+Prefix reuse (``kv/prefix_reuse.py``): with the request's token ids (``set_token_ids``) the admission reuses the
+longest cached prefix of its prompt (those host pages are shared, not allocated) and its prefill starts after it
+(``cached_prefix_tokens``); cached pages nobody holds are evicted (host: LRU; device copies: before any request's
+optional pages) before an admission waits.
+
 Host reads: a step reads the device once (``end_step``), or not at all when the engine passes the values of
 ``StepKV.report()`` it read together with its sampled tokens; every read goes through :attr:`sync`
 (``kv_host_syncs`` in ``stats()``).
@@ -46,6 +51,8 @@ from dhisparse.kv.footprint import Footprint, request_footprint
 from dhisparse.kv.host_store import HostMemoryError, HostStore  # [#29] HostMemoryError
 from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.prefill_stream import StreamedPrefillKV
+from dhisparse.kv.prefix_cache import CachedPage
+from dhisparse.kv.prefix_reuse import PrefixReuse
 from dhisparse.kv.request_state import RequestKV
 from dhisparse.kv.residency import back_up_complete_pages, map_tail_pages, unmap_rejected
 from dhisparse.kv.resolution import StepResolution, choose_resolution
@@ -106,6 +113,9 @@ class KVManager:
         self._key_layer = tuple(key_index.get(layer, -1) for layer in range(layout.num_layers))
         self._group_of_layer = tuple(layout.group_of_layer(layer) for layer in range(layout.num_layers))
         self._staging_slot_of_layer = tuple(layout.staging_slot_of_layer(layer) for layer in range(layout.num_layers))
+        # Prefix reuse where a hit is exact: the streamed prefill (host store, native rows) and native keys.
+        self.prefix = PrefixReuse(layout, config, self.pool, self.host, verify=poison_freed, enabled=(
+            config.prefix_reuse and self.stream_prefill and layout.index_key_format == "native"))
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
@@ -145,6 +155,14 @@ class KVManager:
         Raises :class:`AdmissionError` if it could never be admitted, even on an empty pool."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} is already admitted")
+        try:
+            return self._try_admit(request_id, prompt_len, max_new_tokens)
+        except Exception:
+            if request_id not in self.requests:
+                self.prefix.forget(request_id)  # the caller ends it without a release
+            raise
+
+    def _try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
         fp = request_footprint(self.layout, self.config, prompt_len, max_new_tokens)
         reason = self.never_admissible(prompt_len, max_new_tokens)
         if reason is not None:
@@ -159,38 +177,56 @@ class KVManager:
                 self.fence.wait(self.fence.issued)
             self._free_safe()
             deficit = fp.required_bytes - self.pool.spare_bytes
-        if deficit <= 0 and not self._host_pages_free(self.host_pages_needed(prompt_len, max_new_tokens)):
+        hit = self.prefix.lookup(request_id, prompt_len)  # the longest cached prefix (its host pages are shared)
+        host_needed = self.host_pages_needed(prompt_len, max_new_tokens) - self.layout.num_sources * len(hit)
+        if deficit > 0:
+            self.counters["admission_refusals_device"] += 1
+        elif not self._host_pages_free(host_needed, hit):
             deficit = 1  # host pages are short: wait for a release
-        if deficit <= 0 and self.policy.uses_host and not self._host_memory_backed(prompt_len, max_new_tokens):  # [#29]
+            self.counters["admission_refusals_host"] += 1
+        if deficit <= 0 and self.policy.uses_host and not self._host_memory_backed(host_needed, hit):  # [#29]
             deficit = 1  # [#29] the OS refused host memory: wait for other requests' host pages to come back
         if deficit > 0:
             self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
             self.check_budget()
             return False
-        self._admit(request_id, prompt_len, max_new_tokens, fp)
+        self._admit(request_id, prompt_len, max_new_tokens, fp, hit)
         return True
 
-    def _host_memory_backed(self, prompt_len: int, max_new_tokens: int) -> bool:
-        """[#29] Allocate the host memory of the pages this admission takes before anything is reserved. False: the
-        OS refused it while other requests hold host pages (the admission waits for theirs); with none held, the
-        :class:`HostMemoryError` is raised and fails this request only (the engine ends it; nothing was taken)."""
+    def _host_memory_backed(self, count: int, hit: list[CachedPage]) -> bool:
+        """[#29] Allocate the host memory of the ``count`` pages this admission takes before anything is reserved.
+        Refused by the OS: evict the cached pages nobody holds (never ``hit``; their memory is reused) and try again.
+        False: still refused while requests hold host pages (the admission waits for theirs); with none held but the
+        cache's, the :class:`HostMemoryError` is raised and fails this request only (nothing was taken)."""
         try:
-            self.host.back(self.host_pages_needed(prompt_len, max_new_tokens))
+            self.host.back(count)
         except HostMemoryError:
-            if self.host.used_pages == 0:
-                raise
-            return False
+            with self.prefix.pinned(hit):
+                evicted = self.prefix.evict_all()
+            try:
+                if not evicted:
+                    raise
+                self.host.back(count)
+            except HostMemoryError:
+                if self.host.used_pages <= self.prefix.host_pages_owned():
+                    raise
+                return False
         return True
 
-    def _host_pages_free(self, count: int) -> bool:
-        """Whether ``count`` host pages are free; between steps, finish the releases whose copies and readers
-        are the only thing keeping their pages (as a GPU would wait on its streams)."""
+    def _host_pages_free(self, count: int, hit: list[CachedPage]) -> bool:
+        """Whether ``count`` host pages are free; first evict cached pages nobody holds (least recently used first,
+        never the admission's own ``hit``), then, between steps, finish the releases whose copies and readers are
+        the only thing keeping their pages (as a GPU would wait on its streams)."""
         if count <= self.host.free_pages:
             return True
-        if self.releasing and self.step is None:
-            self.copies.wait_all()
-            self.fence.wait(self.fence.issued)
-            self._free_safe()
+        with self.prefix.pinned(hit):  # the hit's entries stay cached whatever is evicted or registered meanwhile
+            if self.prefix.make_host_room(count):
+                return True
+            if self.releasing and self.step is None:
+                self.copies.wait_all()
+                self.fence.wait(self.fence.issued)
+                self._free_safe()
+                self.prefix.make_host_room(count)
         return count <= self.host.free_pages
 
     def _reclaim_for(self, deficit: int) -> bool:
@@ -199,24 +235,32 @@ class KVManager:
         page_bytes = self.pool.page_bytes
         coming = page_bytes * sum(residency.outgoing_pages(r) for r in self.requests.values())
         coming += sum(r.footprint.required_bytes for r, _ in self.releasing)
+        coming += page_bytes * self.prefix.device.retiring_pages
         if coming >= deficit:
             return True
         order = sorted(
-            (r for r in self.requests.values() if residency.reclaimable_pages(r) > 0),
+            (r for r in self.requests.values() if residency.holds_device_pages(r)),
             key=lambda r: (r.prompt_len + r.max_new_tokens - r.length, -r.admit_order),
         )
-        if coming + page_bytes * sum(residency.reclaimable_pages(r) for r in order) < deficit:
+        reclaimable = sum(residency.reclaimable_pages(r) for r in order)
+        reclaimable += self.prefix.device.resident_pages()  # shared copies, mapped or not
+        if coming + page_bytes * reclaimable < deficit:
             return False  # optional pages cannot cover it: the admission waits, nothing is reclaimed
+        # Cached device copies nobody maps go first (least recently used first), then whole requests' pages.
+        coming += page_bytes * self.prefix.evict_device(-(-(deficit - coming) // page_bytes))
         for req in order:
+            if coming >= deficit:
+                break
             taken = residency.reclaim_request(req, self.pool, self.host, self.copies, self.fence)
             self.counters["optional_pages_reclaimed"] += taken
             self.counters["reclaim_events"] += 1
             coming += taken * page_bytes
-            if coming >= deficit:
-                break
+            if coming < deficit:  # shared copies the reclaim left unmapped
+                coming += page_bytes * self.prefix.evict_device(-(-(deficit - coming) // page_bytes))
         return True
 
-    def _admit(self, request_id: str, prompt_len: int, max_new_tokens: int, fp: Footprint) -> None:
+    def _admit(self, request_id: str, prompt_len: int, max_new_tokens: int, fp: Footprint,
+               hit: list[CachedPage]) -> None:
         layout, cfg, dev = self.layout, self.config, self.device
         sources = layout.num_sources
         self.pool.reserve_required(fp.required_bytes)
@@ -230,10 +274,11 @@ class KVManager:
         key_store.zero_pages(self.pool, key_pages)
         staging_loc = fp.staging_locations(cfg.page_rows, to_device(staging_pages, None, dev))
         host_pages = None
-        if self.policy.uses_host:
-            taken = self.host.allocate(sources * fp.num_pages)
+        if self.policy.uses_host:  # a prefix hit's pages are the cache's (shared), the rest the request's own
+            taken = self.host.allocate(sources * (fp.num_pages - len(hit)))
             assert taken is not None, "try_admit checked the free host pages"
-            host_pages = taken.view(sources, -1)
+            host_pages = torch.cat([torch.stack([e.host_pages for e in hit], 1) if hit else
+                                    torch.zeros(sources, 0, dtype=torch.int64), taken.view(sources, -1)], 1)
         prompt_pages = self.policy.optional_prompt_pages(prompt_len, cfg.page_rows)
         slot = self.batch.acquire(request_id, fp.num_pages, list(self.requests.values()))
         req = RequestKV(
@@ -257,6 +302,7 @@ class KVManager:
         self.batch.key_pages[slot, :, : fp.key_blocks] = to_device(key_pages.view(indexers, fp.key_blocks), None, dev)
         if host_pages is not None:
             self.batch.host_pages[slot, :, : fp.num_pages] = to_device(host_pages, None, dev)
+        self.prefix.admit(req, hit)  # holds the hit, copies its indexer keys into the request's key pages
         self._admissions += 1
         self.requests[request_id] = req
         self.counters["admissions"] += 1
@@ -281,7 +327,17 @@ class KVManager:
         if keys is not None:
             self._keys_in_place.add(request_id)
         return StreamedPrefillKV(self.layout, self.host.rows, history_host.history_host_rows(req, self.host),
-                                 chunk_tokens, self.layout.dtype, self.device, keys)
+                                 chunk_tokens, self.layout.dtype, self.device, keys, start=req.prefix_reused_tokens)
+
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        """The token ids of the request's rows: its prompt before ``try_admit`` (prefix lookup unless ``reuse`` is
+        False), its whole sequence before ``release`` (complete pages are kept in the prefix cache). Ignored when
+        prefix reuse is off (``kv_prefix_reuse_enabled`` 0)."""
+        self.prefix.set_token_ids(request_id, token_ids, reuse)
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        """Prompt tokens of the admitted request found in the prefix cache: its prefill starts there."""
+        return self._running(request_id).prefix_reused_tokens
 
     def import_target(self, request_id: str) -> HostRowsTarget | None:
         """Where an external transfer (disaggregated prefill) writes the admitted request's prompt rows before
@@ -290,7 +346,8 @@ class KVManager:
         req = self._running(request_id)
         if not self.policy.uses_host:
             return None
-        return HostRowsTarget(history_host.history_host_rows(req, self.host), self.host.rows, self.host.page_rows)
+        return HostRowsTarget(history_host.history_host_rows(req, self.host), self.host.rows, self.host.page_rows,
+                              cached_rows=req.prefix_reused_tokens)
 
     def import_prompt(self, request_id: str, rows: PromptRows | None,
                       index_keys: Mapping[int, torch.Tensor] | None) -> None:
@@ -313,7 +370,10 @@ class KVManager:
                 self._keys_in_place.discard(request_id)
             elif index_keys is not None:
                 history_host.set_index_keys(req, index_keys, self.layout, self.pool, self.batch.layer_index)
+            self.prefix.before_import(req)  # a hit's shared device copies are mapped, not copied again
             history_host.import_host_rows(req, self.policy, self.pool, self.host)
+            req.imported = True
+            self.prefix.after_import(req)  # the prompt's complete pages join the prefix cache
         else:
             if not isinstance(rows, torch.Tensor):
                 raise TypeError("import_prompt: rows must be a tensor [num_sources, prompt_len, row_dim]")
@@ -491,6 +551,8 @@ class KVManager:
         budget = self.config.refill_pages_per_step
         if not order or budget == 0:
             return
+        if self.pool.spare_bytes < self.pool.page_bytes and any(r.may_refill for r in order):
+            self.prefix.evict_device(1)  # a cached device copy nobody maps makes room (freed after its readers)
         idle = 0
         i = self._refill_cursor % len(order)
         while budget > 0 and idle < len(order):
@@ -508,6 +570,7 @@ class KVManager:
         self._refill_cursor = i
 
     def _free_safe(self) -> None:
+        self.prefix.free_retired(self.fence)
         for req in self.requests.values():
             if req.retired_pending:
                 residency.free_retired_pages(req, self.pool, self.fence)
@@ -522,6 +585,8 @@ class KVManager:
     def release(self, request_id: str) -> None:
         """Finish or cancel: a waiting request is forgotten; an admitted one gives back every tier once its
         copies are done and the readers issued before now have finished."""
+        if request_id not in self.requests:
+            self.prefix.forget(request_id)
         if request_id in self.waiting and request_id not in self.requests:
             del self.waiting[request_id]
             return
@@ -529,6 +594,7 @@ class KVManager:
         if self.step is not None and any(r is req for r in self.step.requests):
             raise RuntimeError(f"request {request_id!r} is part of the open step; end the step first")
         del self.requests[request_id]
+        self.prefix.on_release(req, self.fence)  # shared device copies stay cached, unmapped
         slot = req.slot
         self.batch.detach(req)  # private copies for what the release still reads; the slot is free at once
         self.batch.release(slot)
@@ -538,13 +604,15 @@ class KVManager:
 
     def _free_request(self, req: RequestKV) -> None:
         self.counters["optional_pages_refilled"] += req.stats.get("optional_pages_refilled", 0.0)
+        # The pages decoding completed join the prefix cache (their keys are read before the key pages go).
+        private_host = self.prefix.on_free(req)
         residency.free_retired_pages(req, self.pool, self.fence)
         on_device = req.opt_page[req.opt_page >= 0]
         self.pool.free(on_device, optional=True)
         self.pool.free(torch.cat([req.tail_ring.reshape(-1), req.hot_pages.reshape(-1), req.staging_pages,
                                   req.key_page_ids]))
-        if req.host_pages is not None:
-            self.host.free(req.host_pages)
+        if private_host is not None:
+            self.host.free(private_host)
         self.pool.release_required(req.footprint.required_bytes)
 
     # ---------------------------------------------------------------------------------------- reporting
@@ -575,6 +643,8 @@ class KVManager:
         out["host_syncs"] = float(self.sync.reads)
         out["batch_state_bytes"] = float(self.batch.nbytes)
         out["batch_slots_used"] = float(self.batch.num_slots - len(self.batch.free_slots))
+        out.update(self.prefix.counters)
+        out.update(self.prefix.gauges())
         out.update(self.kernels.stats())
         return {f"kv_{name}": value for name, value in out.items()}
 

@@ -37,13 +37,16 @@ class StreamedPrefillKV:
     """``StepKV`` of one request's prefill (B = 1) whose committed rows live in host-store rows ``host_rows`` at
     ``row_index [num_sources, prompt_len]`` (CPU int64); ``chunk_tokens`` rows per source on ``device``.
     ``request_keys``: the request's key pages (native keys), written and read in place; ``None``: a key buffer of
-    the whole prompt (:attr:`keys`, empty when the keys are written in place)."""
+    the whole prompt (:attr:`keys`, empty when the keys are written in place). ``start``: rows ``0 .. start-1`` are
+    a cached prefix (prefix reuse: their rows are in the host pages and their keys in the key pages); the prefill
+    computes positions ``start ..`` only and never writes below ``start``."""
 
     query_tiled_gather = True  # gather is a lookup with no per-layer state: attention may read it per query tile
     device_attention = False
 
     def __init__(self, layout: KVLayout, host_rows: ChunkedRows, row_index: torch.Tensor, chunk_tokens: int,
-                 dtype: torch.dtype, device: torch.device, request_keys: RequestKeys | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, request_keys: RequestKeys | None = None,
+                 start: int = 0) -> None:
         if layout.row_format != "native":
             raise ValueError(f"a streamed prefill needs native rows (row_format {layout.row_format!r})")
         self.layout, self.host_rows, self.row_index = layout, host_rows, row_index
@@ -53,7 +56,9 @@ class StreamedPrefillKV:
         self.request_keys = request_keys
         self.keys = {} if request_keys is not None else {
             i: torch.zeros(prompt_len, layout.index_key_dim, dtype=dtype, device=device) for i in layout.indexer_layers}
-        self.length = 0  # rows committed to the host store
+        if start and request_keys is None:
+            raise ValueError("a prefill that starts after a cached prefix reads the prefix's keys in place")
+        self.length = start  # rows committed to the host store (a cached prefix's rows are there already)
         self.query_len = 0
         self.lengths = torch.zeros(1, dtype=torch.int64, device=device)
         self.max_length = 0
@@ -96,14 +101,20 @@ class StreamedPrefillKV:
 
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         source = self.source_of_layer[layer]
-        pos = positions.clamp(min=0)
-        out = self.buffer[source][(pos - self.length).clamp(min=0)]
-        if self.length > 0:
+        chunk = self.buffer[source, : self.query_len]
+        zero = chunk.new_zeros(1, chunk.shape[-1])
+        if self.length == 0:  # the first chunk: every position is in it
+            table, index = torch.cat([chunk, zero]), positions
+        else:
             # Earlier chunks: the distinct selected positions, read from the host store in one gather. On a GPU
             # the selection is read on the host here (prefill only; a decode step never takes this path).
+            pos = positions.clamp(min=0)
             earlier = pos.clamp(max=self.length - 1).reshape(-1).cpu()
             wanted, inverse = torch.unique(earlier, return_inverse=True)
             fetched = self.layout.decode(self.host_rows.index_select(0, self.row_index[source, wanted]))
-            past = to_device(fetched, out.dtype, out.device)[to_device(inverse, None, out.device)].view_as(out)
-            out = torch.where((pos < self.length).unsqueeze(-1), past, out)
-        return out.masked_fill((positions < 0).unsqueeze(-1), 0)
+            # one table (fetched rows, this chunk's rows, a zero row) and one gather from it
+            table = torch.cat([to_device(fetched, chunk.dtype, chunk.device), chunk, zero])
+            past = to_device(inverse, None, chunk.device).view_as(pos)
+            index = torch.where(pos < self.length, past, pos - self.length + wanted.numel())
+        index = torch.where(positions < 0, table.shape[0] - 1, index)
+        return table[index]

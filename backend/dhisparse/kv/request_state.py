@@ -18,6 +18,11 @@ Positions of a request are split into pages of ``page_rows``. For every source `
   ``key_blocks`` pages per indexer layer (``key_pages[i, j]``, a view of the batch state; ``kv/index_keys.py``).
 - **Optional pages** (adaptive only) are complete pages of the imported prompt, ``i < prompt_pages``,
   with the state machine ``OPT_*`` below (``opt_state[s, i]``, ``opt_page[s, i]``).
+- **Prefix reuse** (``kv/prefix_reuse.py``): ``prefix_held`` are the prefix-cache entries of the request's pages
+  ``0 .. len(prefix_held)-1`` (hit at admission or registered by it); their host pages are the entries'
+  (``host_pages[:, i] == prefix_held[i].host_pages``, never written). Under ``adaptive`` such a page may be mapped to
+  the entry's shared device copy (``OPT_SHARED``: ``page_table`` points at it, ``opt_page`` stays ``-1``: the
+  request owns no arena page for it).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 
 from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.footprint import Footprint
+from dhisparse.kv.prefix_cache import CachedPage
 
 OPT_ABSENT = 0  # not on device (rows come from the hot cache or host)
 OPT_REFILLING = 1  # host→device copy issued, not visible to the resolver yet
@@ -35,6 +41,7 @@ OPT_READY = 2  # mapped in page_table, readable directly
 OPT_BACKING_UP = 3  # reclaim decided; still mapped and readable; device→host backup in flight
 OPT_RETIRED = 4  # unmapped; freed once the readers issued before the decision finish (retire_epoch)
 OPT_REFILL_CANCELLED = 5  # reclaim decided while refilling: retired as soon as the refill copy is done
+OPT_SHARED = 6  # mapped to a prefix-cache entry's device copy (owned by the cache; kv/prefix_device.py)
 OPT_ON_DEVICE = (OPT_REFILLING, OPT_READY, OPT_BACKING_UP, OPT_RETIRED, OPT_REFILL_CANCELLED)
 
 
@@ -73,6 +80,8 @@ class RequestKV:
     retired_pending: bool = False  # some optional page is RETIRED (waiting for its readers)
     may_refill: bool = False  # some optional page may be ABSENT with a valid host copy
     slot: int = -1  # slot in the persistent batch state (kv/batch_state.py); -1 once released
+    prefix_held: list[CachedPage] = field(default_factory=list)  # prefix-cache entries of pages 0 .. n-1
+    prefix_reused_tokens: int = 0  # prompt tokens the admission found cached (the prefill starts there)
     # Fixed at admission (plain attributes: a step reads them without a call).
     num_sources: int = field(init=False)
     prompt_pages: int = field(init=False)  # complete pages of the imported prompt: the only pages that may be optional

@@ -25,6 +25,9 @@ Optional-page state machine (``OPT_*`` in :mod:`request_state`, per source and c
     refill ─► REFILLING ──copy done──► READY                                                           │
                  └─reclaim─► REFILL_CANCELLED ──copy done──► RETIRED                   ◄─── refill ◄───┘
 
+Prefix reuse adds ``OPT_SHARED`` (a held prefix page mapped to the cache's device copy, ``kv/prefix_device.py``):
+``import`` or ``refill`` map it, ``reclaim`` and ``release`` unmap it (→ ``ABSENT``); the request never frees it.
+
 Safe free: a page is given back to the pool only from ``RETIRED``, which it enters after its host copy is
 valid (backup done or never needed) and after it was unmapped; it is freed once every reader issued
 before it was unmapped has finished (``opt_retire_epoch <= fence.completed``). Until it is unmapped it
@@ -40,6 +43,7 @@ from dhisparse.kv.copies import CopyEngine, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_PENDING, HOST_VALID, HostStore
 from dhisparse.kv.policies import KVPolicy
+from dhisparse.kv.prefix_device import map_on_refill, unmap_shared
 from dhisparse.kv.request_state import (
     OPT_ABSENT,
     OPT_BACKING_UP,
@@ -47,6 +51,7 @@ from dhisparse.kv.request_state import (
     OPT_REFILL_CANCELLED,
     OPT_REFILLING,
     OPT_RETIRED,
+    OPT_SHARED,
     RequestKV,
 )
 
@@ -121,8 +126,13 @@ def import_prompt_rows(req: RequestKV, rows: torch.Tensor, policy: KVPolicy, poo
 
 
 def reclaimable_pages(req: RequestKV) -> int:
-    """Optional pages a reclaim decision would still take (ready or being refilled)."""
+    """Optional pages a reclaim decision would still take (ready or being refilled): the request's own."""
     return int(((req.opt_state == OPT_READY) | (req.opt_state == OPT_REFILLING)).sum())
+
+
+def holds_device_pages(req: RequestKV) -> bool:
+    """Whether a reclaim of ``req`` would do anything: own optional pages to take or shared copies to unmap."""
+    return reclaimable_pages(req) > 0 or bool((req.opt_state == OPT_SHARED).any())
 
 
 def outgoing_pages(req: RequestKV) -> int:
@@ -134,7 +144,10 @@ def outgoing_pages(req: RequestKV) -> int:
 def reclaim_request(req: RequestKV, pool: DevicePool, host: HostStore, copies: CopyEngine,
                     fence: ReaderFence) -> int:
     """Reclaim *all* optional pages of ``req``. Pages with a valid host copy are unmapped now; the others
-    stay mapped while their deferred backup (``reclaim_backup``: device→host) runs. Returns pages taken."""
+    stay mapped while their deferred backup (``reclaim_backup``: device→host) runs; shared device copies of prefix
+    pages are unmapped (the cache frees a copy once nobody maps it, ``kv/prefix_device.py``). Returns the request's
+    own pages taken."""
+    unmap_shared(req, fence)
     device = pool.arena.device
     state = req.opt_state
     hv = req.host_state[:, : req.prompt_pages] == HOST_VALID
@@ -174,7 +187,7 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
                     fence: ReaderFence) -> bool:
     """Refill the first missing optional page of ``req`` (page-major order) from host, if the budget
     allows (``refill``: host→device). The page is mapped only when the copy is done."""
-    if pool.spare_bytes < pool.page_bytes or not req.may_refill:
+    if not req.may_refill:
         return False
     hv = req.host_state[:, : req.prompt_pages] == HOST_VALID
     candidates = torch.nonzero(((req.opt_state == OPT_ABSENT) & hv).T)
@@ -182,6 +195,10 @@ def refill_one_page(req: RequestKV, pool: DevicePool, host: HostStore, copies: C
         req.may_refill = False  # until a page becomes absent with a valid host copy again
         return False
     i, s = int(candidates[0, 0]), int(candidates[0, 1])
+    if map_on_refill(req, s, i, pool.arena.device):  # a held prefix page with a shared device copy: map it (free)
+        return True
+    if pool.spare_bytes < pool.page_bytes:
+        return False
     assert req.host_pages is not None
     page = pool.allocate(1, optional=True)
     req.opt_page[s, i] = int(page[0])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, RequestKV
+from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_READY, OPT_SHARED, RequestKV
 
 # Cumulative engine-wide counters kept by the manager (stats() adds the gauges below).
 ENGINE_COUNTERS = (
@@ -19,6 +19,8 @@ ENGINE_COUNTERS = (
     "admissions",  # requests admitted
     "staging_bytes_charged",  # verification staging bytes charged at admission, summed over admissions
     "admissions_waited",  # admitted after at least one try_admit returned False
+    "admission_refusals_device",  # try_admit returned False: device memory short (after reclaiming what it could)
+    "admission_refusals_host",  # ... host pages short (after evicting every cached page nobody holds)
     "admission_wait_seconds",  # total wall time those admissions waited
     "admission_wait_steps",  # total decode steps those admissions waited
     "reclaim_events",  # requests whose optional pages were reclaimed (one event per request)
@@ -42,6 +44,8 @@ REQUEST_COUNTERS = (
     "optional_pages_reclaimed",
     "optional_pages_refilled",
     "admission_wait_seconds",
+    "prefix_lookup_tokens",  # prompt tokens looked up in the prefix cache at admission
+    "prefix_reused_tokens",  # ... of which found cached (the prefill computed the rest)
 )
 
 
@@ -57,5 +61,7 @@ def request_gauges(req: RequestKV) -> dict[str, float]:
         "staging_bytes": float(req.footprint.staging_bytes),
         "optional_pages_resident": float(resident),
         "optional_pages_on_device": float(req.optional_pages_on_device()),
+        "optional_pages_shared": float((req.opt_state == OPT_SHARED).sum()),  # prefix pages mapped to the cache's copy
+        "prefix_held_pages": float(len(req.prefix_held)),  # prefix-cache entries the request holds
         "optional_bytes": float(req.optional_pages_on_device() * page_bytes),
     }

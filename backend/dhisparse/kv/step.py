@@ -32,7 +32,7 @@ import torch
 from dhisparse.host_values import to_device
 from dhisparse.kv.copies import CopyTicket
 from dhisparse.kv.index_keys import gather_keys
-from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_ON_DEVICE, OPT_READY, RequestKV
+from dhisparse.kv.request_state import OPT_BACKING_UP, OPT_ON_DEVICE, OPT_READY, OPT_SHARED, RequestKV
 from dhisparse.kv.resolution.common import (
     FLAG_ERRORS,
     FLAG_MESSAGES,
@@ -54,8 +54,8 @@ def _history_direct(req: RequestKV) -> bool:
     return bool(_READABLE[state[:, :tail_first]].all())
 
 
-_READABLE = np.zeros(max(OPT_ON_DEVICE) + 1, dtype=bool)  # optional-page states a step reads directly
-_READABLE[[OPT_READY, OPT_BACKING_UP]] = True
+_READABLE = np.zeros(max(*OPT_ON_DEVICE, OPT_SHARED) + 1, dtype=bool)  # optional-page states read directly
+_READABLE[[OPT_READY, OPT_BACKING_UP, OPT_SHARED]] = True
 
 
 class StepKV:

@@ -9,12 +9,16 @@ Stores (all under ``dhisparse.kv``, built by :func:`dhisparse.kv.factory.make_kv
 
 The engine never asks which one it holds. Call protocol (one thread, the engine loop)::
 
-    never_admissible → try_admit → prefill_kv → (the model's prefill) → import_prompt
+    never_admissible → set_token_ids → try_admit → cached_prefix_tokens, prefill_kv → (the model's prefill from
+    there) → import_prompt
     → repeatedly: begin_step → (the model's forward over the step) → read(…, step.report()) → end_step | abort_step
     → poll … → release
 
 At most one step is open at a time; ``try_admit`` and ``release`` may be called between steps. A request that
 ``try_admit`` refused stays queued by the caller and may be offered again; ``release`` forgets it either way.
+Prefix reuse (a store that keeps a prefix cache, ``kv/prefix_reuse.py``): the caller names a request's token ids
+(``set_token_ids``: the prompt before ``try_admit``, the whole sequence before ``release``); the admission may find
+the prompt's first ``cached_prefix_tokens`` tokens cached, and the prefill computes only the rest.
 """
 
 from __future__ import annotations
@@ -56,11 +60,14 @@ class HostRowsTarget:
 
     ``row_index [num_sources, prompt_len]`` int64 (CPU): the global row of ``rows`` for each prompt row (chunk
     ``r // rows.chunk_rows``; a page never straddles chunks and its rows are consecutive). ``page_rows``: rows per
-    page. The chunks never move, so the rows stay where they are however many requests are admitted after."""
+    page. The chunks never move, so the rows stay where they are however many requests are admitted after.
+    ``cached_rows``: prompt rows ``0 .. cached_rows-1`` (whole pages) are a prefix the store holds already (prefix
+    reuse): their pages are shared and must not be written; the transfer brings the rows from there on."""
 
     row_index: torch.Tensor
     rows: ChunkedRows
     page_rows: int
+    cached_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,19 @@ class KVStore(Protocol):
     def release(self, request_id: str) -> None:
         """Finish or cancel a request, admitted or refused: every tier it holds is freed under the safety rules
         (after its copies and the readers issued before now). Not for a request of the open step."""
+        ...
+
+    # ------------------------------------------------------------------------------------ prefix reuse
+    def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
+        """The token ids of the request's rows (row ``p`` is the KV of ``token_ids[p]``): its prompt before
+        ``try_admit`` (the admission looks up the longest cached prefix; ``reuse=False``: none, e.g. when every
+        prompt position's logits are wanted), its whole sequence before ``release`` (its complete pages stay cached
+        for later requests). A store without a prefix cache ignores it."""
+        ...
+
+    def cached_prefix_tokens(self, request_id: str) -> int:
+        """Prompt tokens of the admitted request whose KV the admission found cached: its prefill starts at this
+        position (0 without a hit). They are then in the store already (rows and indexer keys)."""
         ...
 
     # -------------------------------------------------------------------------------------- prompts

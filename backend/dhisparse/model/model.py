@@ -124,14 +124,24 @@ class DSAModel:
         capacity: int | None = None,
         on_chunk: Callable[[int], None] | None = None,
         store: PrefillKV | None = None,
+        start: int = 0,
     ) -> PrefillOutput:
         """Prefill one prompt chunk by chunk over a local KV; chunking bounds the attention workspace and does
         not change results (each chunk's queries see every earlier row). ``on_chunk(start)`` is called before each
         chunk's forward (the engine's fault injection). ``store`` replaces the default ``LocalKV`` of the whole
-        prompt (the engine streams rows into the KV hierarchy's host pages: ``kv/prefill_stream.py``)."""
+        prompt (the engine streams rows into the KV hierarchy's host pages: ``kv/prefill_stream.py``).
+
+        ``start``: positions ``0 .. start-1`` are a cached prefix already in ``store`` (prefix reuse: their rows and
+        indexer keys); only positions ``start ..`` are computed, in chunks on the same grid of ``chunk_tokens`` as a
+        full prefill (the first one ends at the next multiple), and hidden states, logits and selections cover those
+        positions only."""
         ids = to_device(token_ids, torch.int64, self.device).view(-1)
         total = ids.numel()
         cfg = self.cfg
+        if not 0 <= start < total:
+            raise ValueError(f"prefill start {start} must be in 0 .. {total - 1} (at least one token is computed)")
+        if start and store is None:
+            raise ValueError("a prefill after a cached prefix needs the store that holds the prefix")
         local = store if store is not None else LocalKV(
             cfg.num_hidden_layers, cfg.indexer_layers, capacity or total, cfg.row_dim, cfg.index_head_dim,
             self.dtype, self.device)
@@ -139,11 +149,12 @@ class DSAModel:
         logits_parts: list[torch.Tensor] = []
         selections: dict[int, list[torch.Tensor]] = {}
         result = None
-        for start in range(0, total, chunk_tokens):
+        bounds = [start, *range((start // chunk_tokens + 1) * chunk_tokens, total, chunk_tokens), total]
+        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
             if on_chunk is not None:
-                on_chunk(start)
-            chunk = ids[start:start + chunk_tokens]
-            positions = torch.arange(start, start + chunk.numel(), device=self.device).unsqueeze(0)
+                on_chunk(begin)
+            chunk = ids[begin:end]
+            positions = torch.arange(begin, end, device=self.device).unsqueeze(0)
             result = self.forward(chunk.unsqueeze(0), positions, local.begin(chunk.numel()), all_logits=all_logits,
                                   capture_hidden=capture_hidden, record_selections=record_selections)
             local.end()

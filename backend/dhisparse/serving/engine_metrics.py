@@ -29,7 +29,7 @@ DESCRIPTIONS = {
     "kv_requests_running": "Requests holding KV memory",
     "kv_requests_releasing": "Released requests whose memory is not yet free (copies or readers in flight)",
     "generated_tokens": "Tokens generated since start (cumulative)",
-    "prefill_tokens": "Prompt tokens prefilled since start (cumulative)",
+    "prefill_tokens": "Prompt tokens prefilled (computed) since start (cumulative)",
     "requests_aborted": "Requests cancelled or aborted since start (cumulative)",
     "requests_finished": "Requests finished since start (cumulative)",
     "requests_failed": "Requests ended by a failed engine step (cumulative)",
@@ -49,7 +49,16 @@ DESCRIPTIONS = {
     "kv_required_bytes": "Device KV bytes held as required memory (never lent)",
     "kv_optional_bytes": "Device KV bytes held by optional pages",
     "kv_pool_bytes": "Device KV pool budget",
-    "kv_host_pages_used": "Host KV pages owned by requests",
+    "kv_host_pages_used": "Host KV pages in use (requests' and the prefix cache's)",
+    "kv_prefix_lookup_tokens": "Prompt tokens looked up in the prefix cache at admission (cumulative)",
+    "kv_prefix_reused_tokens": "Prompt tokens found in the prefix cache and not prefilled (cumulative)",
+    "kv_prefix_cached_pages": "Pages (page_rows tokens of every KV source) in the prefix cache",
+    "kv_prefix_evicted_pages": "Prefix-cache pages evicted to make room, least recently used first (cumulative)",
+    "kv_prefix_host_pages": "Host KV pages the prefix cache owns (rows and indexer keys)",
+    "kv_prefix_device_bytes": "Device bytes of the prefix cache's shared resident pages (part of kv_optional_bytes)",
+    "kv_prefix_reuse_enabled": "1 when the KV store reuses cached prompt prefixes, else 0",
+    "prefill_tokens_reused": "Prompt tokens reused from the prefix cache instead of prefilled (cumulative)",
+    "kv_prefix_hit_rate_interval": "Share of looked-up prompt tokens found in the prefix cache, last metrics interval",
     "kv_kernels_cuda": "1 when the CUDA kernels serve the request path (kernels=auto|cuda), else 0",
     "kv_kernels_fallback": "1 when kernels=auto had a GPU but fell back to torch (not built or self-check failed)",
     "kv_kernels_native_resolver": "1 when the KV step resolves through the native CPU library (kernels=auto on a "
@@ -76,6 +85,7 @@ RATIOS = {
     "resolved_rows_per_resolver_call": (("kv_resolved_rows",), ("kv_resolver_calls",)),
     "draft_acceptance_rate_interval": (("draft_tokens_accepted",), ("draft_tokens_proposed",)),
     "tokens_per_verify_step_interval": (("draft_tokens_accepted", "verify_rows"), ("verify_rows",)),
+    "kv_prefix_hit_rate_interval": (("kv_prefix_reused_tokens",), ("kv_prefix_lookup_tokens",)),
 }
 
 

@@ -11,15 +11,15 @@ batch dimension (1: each response belongs to one prompt, named by `batch_index`,
 - generation_logits [1, 1, T, V] fp32: processed logits of this response's tokens (return_generation_logits).
 - batch_index, sequence_index [1, 1] int32: prompt row in the request, sample number (always).
 - return_perf_metrics: kv_cache_alloc_total_blocks [1, 1] int32 = the KV pages (`page_rows` rows of every KV
-  source) the request's stored tokens span; kv_cache_alloc_new_blocks = the same (every page is new: no prefix
-  reuse across requests); kv_cache_reused_blocks = 0; arrival_time_ns, first_scheduled_time_ns,
+  source) the request's stored tokens span; kv_cache_reused_blocks = of those, the pages its admission found in the
+  prefix cache (docs/prefix_reuse.md); kv_cache_alloc_new_blocks = the others; arrival_time_ns, first_scheduled_time_ns,
   first_token_time_ns, last_token_time_ns [1, 1] int64 = wall clock, ns since the epoch (0 = not yet);
   acceptance_rate [1, 1] fp32, total_accepted_draft_tokens, total_draft_tokens [1, 1] int32 = speculation's
   accepted / proposed draft tokens so far (0 without a drafter).
   Also tensorrtllm_backend's `llmapi` model's KV-cache statistics: kv_cache_reused_block / kv_cache_missed_block
   [1, 1] int32 = the prompt's pages found in / missing from the prefix cache (a prompt of P tokens spans
-  ceil(P / page_rows) pages; reused = `kv_prefix_reused_tokens` // page_rows, 0 while the engine has no prefix
-  reuse), kv_cache_hit_rate [1, 1] fp32 = reused / (reused + missed); kv_cache_reused_blocks carries the same
+  ceil(P / page_rows) pages; reused = `kv_prefix_reused_pages`, the full pages of its prefix-cache hit,
+  0 without a hit), kv_cache_hit_rate [1, 1] fp32 = reused / (reused + missed); kv_cache_reused_blocks carries the same
   reused count.
   With return_final_perf_metrics instead, they ride on the sequence's last response only.
 - num_input_tokens / num_output_tokens [1, 1] int32: prompt length / tokens generated so far.
@@ -57,8 +57,9 @@ def _one(value: float | int, dtype: type) -> np.ndarray:
 
 def prompt_page_counts(stats: dict[str, float], prompt_tokens: int, page_rows: int) -> tuple[int, int]:
     """``(reused, missed)`` pages of a prompt of ``prompt_tokens`` tokens: reused = full pages its prefix-cache hit
-    covered (`kv_prefix_reused_tokens`, absent = 0), missed = the rest of the pages it spans."""
-    reused = int(stats.get("kv_prefix_reused_tokens", 0)) // page_rows
+    covered (the engine's `kv_prefix_reused_pages`, set from the prefill on; else `kv_prefix_reused_tokens` //
+    page_rows, the store's figure at the end; absent = 0), missed = the rest of the pages it spans."""
+    reused = int(stats.get("kv_prefix_reused_pages", stats.get("kv_prefix_reused_tokens", 0) // page_rows))
     return reused, max(math.ceil(prompt_tokens / page_rows) - reused, 0)
 
 

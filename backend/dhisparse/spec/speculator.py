@@ -93,10 +93,12 @@ class Speculator:
                 return self.drafter.context_kv(features).flatten(2)
         return features
 
-    def start(self, prompt_features: torch.Tensor) -> int:
-        """Allocate a ring for a new request and fill it with its prompt's last ``window`` positions."""
+    def start(self, prompt_features: torch.Tensor, prompt_len: int | None = None) -> int:
+        """Allocate a ring for a new request and fill it with its prompt's last ``window`` positions
+        (``prompt_features [P, F]``: the features of the prompt's last ``P >= min(window, prompt_len)`` positions, e.g.
+        after a prefix hit or from a context engine; ``prompt_len``: the prompt's length, default ``P``)."""
         if self.published is not None:
-            return self.published.start(prompt_features)
+            return self.published.start(prompt_features, prompt_len)
         slot = self.ring.allocate()
         tail = prompt_features[-self.ring.window:].unsqueeze(0)
         self.ring.append(to_device([slot], torch.int64, self.device), self._context_rows(tail),

@@ -33,10 +33,11 @@ class PublishedSpeculation:
         with torch.no_grad():
             return self.drafter.context_rows(features, positions)
 
-    def start(self, prompt_features: torch.Tensor) -> int:
-        """A ring for a new request, holding its prompt's last ``window`` positions (``prompt_features [P, F]``)."""
+    def start(self, prompt_features: torch.Tensor, prompt_len: int | None = None) -> int:
+        """A ring for a new request, holding its prompt's last ``window`` positions (``prompt_features [P, F]``: the
+        features of the prompt's last ``P`` positions; ``prompt_len``: the prompt's length, default ``P``)."""
         slot = self.ring.allocate()
-        length = prompt_features.shape[0]
+        length = prompt_features.shape[0] if prompt_len is None else prompt_len
         n = min(length, self.window)
         self.ring.count[slot] = length - n  # the ring's count is the absolute position of the next row
         slots, first, kept = to_device([[slot], [length - n], [n]], torch.int64, self.device).unbind(0)
