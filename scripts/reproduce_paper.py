@@ -3,16 +3,16 @@
 
     OMP_NUM_THREADS=1 python scripts/reproduce_paper.py [--out docs/results] [--quick]
 
-Every number in ``summary.md`` is computed here from the runs (see dhisparse/planner/paper.py and
+Every number in ``summary.md`` is computed here from the runs (see dhisparse_planner/paper.py and
 validation.py for the setups). Order: the locality model is calibrated first (published resolution shares +
 selection traces of our engine, ``calibration.csv``); every throughput claim is then *predicted* at the fitted
 locality and its plausible range; finally each headline claim's sensitivity to every constant of
-``dhisparse.planner.constants`` is computed (``sensitivity.csv``, ``sensitivity.png``, ``constants.md``), one
+``dhisparse_planner.constants`` is computed (``sensitivity.csv``, ``sensitivity.png``, ``constants.md``), one
 constant at a time and with every time-only constant at its adverse / favourable end at once
 (``sensitivity_joint.csv``). The TTFT claims are reported co-located and disaggregated (``disaggregated_ttft.md``,
-:mod:`dhisparse.planner.ttft_modes`).
+:mod:`dhisparse_planner.ttft_modes`).
 Every simulation is independent of the others once the locality is calibrated: they run in ``--workers``
-processes (default 2) while the calibration runs (:mod:`dhisparse.planner.batch`), each distinct run once; the
+processes (default 2) while the calibration runs (:mod:`dhisparse_planner.batch`), each distinct run once; the
 results are the same as simulating them one after another (tests/planner/test_batch.py).
 ``--quick`` runs a reduced grid (for smoke tests only, not for the docs).
 """
@@ -25,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from dhisparse.planner import batch, paper, paper_uncertainty, ttft_modes, validation
-from dhisparse.planner.constants import Setup, table_markdown
-from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE, CALIBRATED_RECENT_RANGE
-from dhisparse.planner.report import grid_points, markdown_table, plot_grid, plot_memory, write_csv
-from dhisparse.planner.sensitivity import claim_ranges, joint_time_ranges, plot_sensitivity, sensitivity
-from dhisparse.planner.specs import DRAFTERS, GLM5_INDEXSHARE_NVFP4, H200
+from dhisparse_planner import batch, paper, paper_uncertainty, ttft_modes, validation
+from dhisparse_planner.constants import Setup, table_markdown
+from dhisparse_planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE, CALIBRATED_RECENT_RANGE
+from dhisparse_planner.report import grid_points, markdown_table, plot_grid, plot_memory, write_csv
+from dhisparse_planner.sensitivity import claim_ranges, joint_time_ranges, plot_sensitivity, sensitivity
+from dhisparse_planner.specs import DRAFTERS, GLM5_INDEXSHARE_NVFP4, H200
 
 Row = dict[str, float | str]
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Every simulation below is independent of the others once the locality is calibrated. They start at once, in
     # `workers` processes, at the committed calibration (locality.CALIBRATED*), while the calibration runs here;
-    # a run is used only if its specs equal the ones the stages ask for (dhisparse.planner.batch), so should the
+    # a run is used only if its specs equal the ones the stages ask for (dhisparse_planner.batch), so should the
     # calibration come out differently the stages simply simulate their runs again.
     guess = _expected_calibration()
     pool = batch.executor(args.workers) if args.workers > 1 else None
@@ -262,7 +262,7 @@ def calibrate() -> tuple[paper_uncertainty.LocalityCalibration, list[Row]]:
     """Fit the locality model; rows: every published target (fitted / predicted, residual) and the trace fit."""
     trace = None
     path = Path("docs/results/engine_trace.json")
-    if path.exists():  # recorded by `python -m dhisparse.planner.engine_trace` (minutes on CPU, run separately)
+    if path.exists():  # recorded by `python -m dhisparse_planner.engine_trace` (minutes on CPU, run separately)
         trace = json.loads(path.read_text())
     else:
         print(f"  no {path}: calibrating on published shares only", flush=True)

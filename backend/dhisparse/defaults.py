@@ -1,5 +1,5 @@
-"""Runtime defaults shared by the engine (``EngineConfig``), the KV hierarchy (``KVConfig``) and the planner
-(``ServingSpec``, ``dhisparse-plan``): one source of truth, so the planner simulates what the engine runs.
+"""Runtime defaults shared by the engine (``EngineConfig``), the KV hierarchy (``KVConfig``) and every tool that
+models the engine (``dhisparse-plan`` reads them too): one source of truth.
 
 Values:
     KV_POLICY: ``adaptive``.

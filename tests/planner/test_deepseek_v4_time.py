@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dhisparse.model.deepseek_v4.config import CSA, HCA, SLIDING
-from dhisparse.planner.deepseek_v4 import DSV4_FLASH, request_split
-from dhisparse.planner.deepseek_v4_sim import V4Scale, V4Serving, V4Sim
-from dhisparse.planner.deepseek_v4_time import V4Costs, V4Deployment, V4Params, V4StepLoad, v4_step_seconds
-from dhisparse.planner.specs import H200, HardwareSpec
-from dhisparse.planner.speculation import SpeculationModel
+from dhisparse_planner.deepseek_v4 import DSV4_FLASH, request_split
+from dhisparse_planner.deepseek_v4_sim import V4Scale, V4Serving, V4Sim
+from dhisparse_planner.deepseek_v4_time import V4Costs, V4Deployment, V4Params, V4StepLoad, v4_step_seconds
+from dhisparse_planner.specs import H200, HardwareSpec
+from dhisparse_planner.speculation import SpeculationModel
 
 
 def test_step_cost_by_hand():
@@ -69,11 +69,11 @@ def test_resident_admits_only_what_fits():
 def test_entry_cache_model_agrees_with_the_kv_manager(overlap):
     """With one token per entry (rate 1) the V4 stepping's direct / hot / host split of selected entries is the
     one the real KVManager's resolver produces in the DSA simulator for the same selections' statistics."""
-    from dhisparse.planner.locality import CALIBRATED
-    from dhisparse.planner.scale import ScaleSpec
-    from dhisparse.planner.simulator import simulate
-    from dhisparse.planner.specs import ModelSpec
-    from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+    from dhisparse_planner.locality import CALIBRATED
+    from dhisparse_planner.scale import ScaleSpec
+    from dhisparse_planner.simulator import simulate
+    from dhisparse_planner.specs import ModelSpec
+    from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
     m = ModelSpec(name="one CSA layer", num_layers=1, index_group_size=1, index_topk=512, row_bytes=584,
                   index_key_bytes=132, attn_heads=64, index_heads=64, index_head_dim=128, total_params=284e9,

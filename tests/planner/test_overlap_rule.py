@@ -8,13 +8,13 @@ import math
 
 import pytest
 
-from dhisparse.planner import HARDWARE_PRESETS, MODEL_PRESETS, ServingSpec, SpeculationModel, WorkloadSpec
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.overlap import exposed_fetch_seconds, group_exposed_seconds, group_sizes
-from dhisparse.planner.retime import retime
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.simulator import simulate
-from dhisparse.planner.timing import StepLoad, decode_step_seconds
+from dhisparse_planner import HARDWARE_PRESETS, MODEL_PRESETS, ServingSpec, SpeculationModel, WorkloadSpec
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.overlap import exposed_fetch_seconds, group_exposed_seconds, group_sizes
+from dhisparse_planner.retime import retime
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.simulator import simulate
+from dhisparse_planner.timing import StepLoad, decode_step_seconds
 
 H200 = HARDWARE_PRESETS["h200"]
 GLM = MODEL_PRESETS["glm5-indexshare-nvfp4"]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dhisparse.planner.cli import main
-from dhisparse.planner.report import recommend
+from dhisparse_planner.cli import main
+from dhisparse_planner.report import recommend
 
 
 def test_cli_writes_table_plots_and_recommendation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from dhisparse.planner.cli import main
-from dhisparse.planner.footprint_cli import session_footprint
-from dhisparse.planner.report import parse_config
-from dhisparse.planner.specs import DRAFTERS, GLM5, GLM5_INDEXSHARE_NVFP4
-from dhisparse.planner.speculation import SpeculationModel
-from dhisparse.planner.workload import ServingSpec
+from dhisparse_planner.cli import main
+from dhisparse_planner.footprint_cli import session_footprint
+from dhisparse_planner.report import parse_config
+from dhisparse_planner.specs import DRAFTERS, GLM5, GLM5_INDEXSHARE_NVFP4
+from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.workload import ServingSpec
 
 
 def test_cli_json_splits_required_memory(capsys: pytest.CaptureFixture[str]) -> None:

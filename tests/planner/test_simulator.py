@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from dhisparse.planner import (
+from dhisparse_planner import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
     LocalityModel,
@@ -19,10 +19,10 @@ from dhisparse.planner import (
     SpeculationModel,
     WorkloadSpec,
 )
-from dhisparse.planner.locality import SyntheticSelector
-from dhisparse.planner.scale import build_scaled_kv, footprint_error
-from dhisparse.planner.simulator import Simulator, simulate
-from dhisparse.planner.speculation import confident_prefix_length
+from dhisparse_planner.locality import SyntheticSelector
+from dhisparse_planner.scale import build_scaled_kv, footprint_error
+from dhisparse_planner.simulator import Simulator, simulate
+from dhisparse_planner.speculation import confident_prefix_length
 
 H200 = HARDWARE_PRESETS["h200"]
 GLM = MODEL_PRESETS["glm5-indexshare-nvfp4"]

@@ -20,8 +20,8 @@ import sys
 from dhisparse import defaults
 from dhisparse.kv.footprint import Footprint, request_footprint
 from dhisparse.kv.policies import KV_POLICIES
-from dhisparse.planner.scale import ScaleSpec, build_scaled_kv
-from dhisparse.planner.specs import DRAFTERS, MODEL_PRESETS, ModelSpec
+from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
+from dhisparse_planner.specs import DRAFTERS, MODEL_PRESETS, ModelSpec
 
 GIB = 2.0**30
 

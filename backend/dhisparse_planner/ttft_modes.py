@@ -1,9 +1,9 @@
 """The paper's TTFT claims in both deployment modes: co-located (prefill inside the decode GPU's engine step) and
-disaggregated (prefill on separate GPUs, history imported over a link: :mod:`dhisparse.planner.disaggregated`).
+disaggregated (prefill on separate GPUs, history imported over a link: :mod:`dhisparse_planner.disaggregated`).
 
-Same setup as the paper grids (:mod:`dhisparse.planner.paper`: H200, GLM-5.x IndexShare NVFP4, one closed-loop
+Same setup as the paper grids (:mod:`dhisparse_planner.paper`: H200, GLM-5.x IndexShare NVFP4, one closed-loop
 request per client, 8K out, token scale 64) at the calibrated locality; the co-located runs are the grid's own
-runs (same specs, simulated once). Disaggregated: :class:`~dhisparse.planner.disaggregated.DisaggregationSpec`
+runs (same specs, simulated once). Disaggregated: :class:`~dhisparse_planner.disaggregated.DisaggregationSpec`
 defaults (8 prefill GPUs, 400 Gb/s = 50 GB/s link, 20 µs per transfer).
 
 In the disaggregated mode TTFT = prefill queue + prefill + transfer does not depend on the decode GPU's KV policy
@@ -18,13 +18,13 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
-from dhisparse.planner.batch import Job, run_job
-from dhisparse.planner.disaggregated import DisaggregationSpec
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.paper import BASE, SCALE, SPEC
-from dhisparse.planner.report import markdown_table, parse_config
-from dhisparse.planner.specs import GLM5_INDEXSHARE_NVFP4, H200
-from dhisparse.planner.workload import WorkloadSpec
+from dhisparse_planner.batch import Job, run_job
+from dhisparse_planner.disaggregated import DisaggregationSpec
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.paper import BASE, SCALE, SPEC
+from dhisparse_planner.report import markdown_table, parse_config
+from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
+from dhisparse_planner.workload import WorkloadSpec
 
 Row = dict[str, float | str]
 MODES = ("co-located", "disaggregated")

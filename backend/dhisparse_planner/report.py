@@ -2,7 +2,7 @@
 
 A *configuration* is ``policy[+drafter]`` (``resident``, ``hisparse``, ``adaptive``, ``adaptive+dflash2``,
 ``resident+dspark`` ...) at one concurrency and one locality ``overlap``. Every row of the table is one
-:func:`dhisparse.planner.simulate` run. Throughput is reported per GPU: the simulated instance is the model's
+:func:`dhisparse_planner.simulate` run. Throughput is reported per GPU: the simulated instance is the model's
 ``gpus`` GPUs (TP) decoding one batch, so ``output_tok_per_s_per_gpu = output_tok_per_s / gpus``.
 """
 
@@ -16,11 +16,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.simulator import AHEAD_WALL_S, SimResult, simulate
-from dhisparse.planner.specs import HardwareSpec, ModelSpec
-from dhisparse.planner.speculation import SpeculationModel
-from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.simulator import AHEAD_WALL_S, SimResult, simulate
+from dhisparse_planner.specs import HardwareSpec, ModelSpec
+from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 COLUMNS = ("label", "concurrency", "overlap", "output_tok_per_s_per_gpu", "decode_tok_per_s", "mean_ttft_s",
            "mean_tpot_s", "host_share", "hot_share", "direct_share", "host_overlap", "mean_batch", "max_batch",

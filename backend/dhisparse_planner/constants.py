@@ -1,11 +1,11 @@
 """Every constant the planner's verdicts rest on: nominal value, plausible range and source, in one table.
 
 A constant either only changes *time* (``retime=True``: a finished closed-loop run can be re-timed with
-:func:`dhisparse.planner.retime.retime`) or changes what the KV manager decides (memory, selections,
+:func:`dhisparse_planner.retime.retime`) or changes what the KV manager decides (memory, selections,
 acceptance: the run must be simulated again). Ranges are stated for the reference setup (H200, GLM-5.x
 IndexShare NVFP4, DFlash2); for other presets a range keeps its *relative* width around the preset's value
 (``relative=True``) or is used as is (fractions). A constant without a source says so and gets a wide range.
-The locality constants are calibrated (:mod:`dhisparse.planner.calibrate`); their entries here are the
+The locality constants are calibrated (:mod:`dhisparse_planner.calibrate`); their entries here are the
 defaults that calibration replaces.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.specs import DrafterSpec, HardwareSpec, ModelSpec
-from dhisparse.planner.speculation import SpeculationModel
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
+from dhisparse_planner.speculation import SpeculationModel
 
 TARGETS = ("hardware", "model", "drafter", "speculation", "locality")
 

@@ -14,8 +14,8 @@ from collections import defaultdict
 import torch
 
 from dhisparse.kv import KVConfig, KVLayout
-from dhisparse.planner.core import COUNTERS, EngineCore, SimRequest, StepOutcome
-from dhisparse.planner.locality import ReplaySelector
+from dhisparse_planner.core import COUNTERS, EngineCore, SimRequest, StepOutcome
+from dhisparse_planner.locality import ReplaySelector
 
 
 class _RecordingStep:

@@ -8,8 +8,8 @@ import torch
 
 from dhisparse import defaults
 from dhisparse.kv.policies import KV_POLICIES, policy_named
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.speculation import SpeculationModel
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.speculation import SpeculationModel
 
 
 @dataclass(frozen=True)

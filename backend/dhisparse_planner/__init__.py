@@ -3,12 +3,12 @@
 See docs/planner.md. Entry points: :func:`simulate`, :class:`Simulator`, the ``dhisparse-plan`` CLI.
 """
 
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.simulator import SimResult, Simulator, simulate
-from dhisparse.planner.specs import DRAFTERS, HARDWARE_PRESETS, MODEL_PRESETS, DrafterSpec, HardwareSpec, ModelSpec
-from dhisparse.planner.speculation import SpeculationModel
-from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.simulator import SimResult, Simulator, simulate
+from dhisparse_planner.specs import DRAFTERS, HARDWARE_PRESETS, MODEL_PRESETS, DrafterSpec, HardwareSpec, ModelSpec
+from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 __all__ = ["DRAFTERS", "HARDWARE_PRESETS", "MODEL_PRESETS", "DrafterSpec", "HardwareSpec", "LocalityModel",
            "ModelSpec", "ScaleSpec", "ServingSpec", "SimResult", "Simulator", "SpeculationModel", "WorkloadSpec",

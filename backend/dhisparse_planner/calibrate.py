@@ -1,8 +1,8 @@
-"""Calibrating the selection model (:mod:`dhisparse.planner.locality`) in the open.
+"""Calibrating the selection model (:mod:`dhisparse_planner.locality`) in the open.
 
 Two kinds of evidence, each fitted separately and reported with its residuals:
 
-1. **Selection traces** (recorded from our engine with :class:`~dhisparse.planner.trace.RecordingKV`, or any
+1. **Selection traces** (recorded from our engine with :class:`~dhisparse_planner.trace.RecordingKV`, or any
    sequence of top-k selections): a method of simulated moments. Two statistics are measured on consecutive
    selections of one request and index group, for histories longer than the top-k:
 
@@ -10,7 +10,7 @@ Two kinds of evidence, each fitted separately and reported with its residuals:
    - ``recent``: the share of the *new* positions ``S_t \\ S_{t-1}`` that lie in the last ``window`` tokens.
 
    :func:`fit_trace` finds the ``(overlap, recent_fraction)`` for which the planner's own
-   :class:`~dhisparse.planner.locality.SyntheticSelector`, run over the same history lengths, top-k and window,
+   :class:`~dhisparse_planner.locality.SyntheticSelector`, run over the same history lengths, top-k and window,
    produces the same two statistics (Newton/Broyden iterations; ``kept`` rises with ``overlap``, ``recent`` with
    ``recent_fraction``; common random numbers keep the objective smooth).
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dhisparse.planner.locality import LocalityModel, SyntheticSelector
+from dhisparse_planner.locality import LocalityModel, SyntheticSelector
 
 # one (history limit, positions) pair per decode step: positions of one query, -1 padded; limit = history length
 Sequence_ = list[tuple[int, torch.Tensor]]

@@ -7,7 +7,7 @@ its KV pool at 6 running requests (~87% of GPU token slots), so its throughput f
 
 How the planner is configured like that run (nothing is fitted to the ratios):
 
-- hardware: :data:`~dhisparse.planner.specs.RTX_PRO_6000`; model: GLM-5 (one indexer per layer) with NVFP4
+- hardware: :data:`~dhisparse_planner.specs.RTX_PRO_6000`; model: GLM-5 (one indexer per layer) with NVFP4
   weights (ASSUMED: FP8 GLM-5 weights, 93 GB per GPU, cannot fit a 96 GB card);
 - KV pool: sized so that 6 fully resident 32K+2K requests are 87% of it (the PR's own statement);
 - per-step overhead: calibrated once so that the *baseline at batch 1* matches its published 47.7 tok/s
@@ -30,12 +30,12 @@ import math
 
 from dhisparse.kv import KVConfig
 from dhisparse.kv.footprint import request_footprint
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.scale import ScaleSpec, build_scaled_kv
-from dhisparse.planner.simulator import SimResult, simulate
-from dhisparse.planner.specs import GLM5, RTX_PRO_6000, HardwareSpec, ModelSpec
-from dhisparse.planner.timing import StepLoad, decode_step_seconds
-from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
+from dhisparse_planner.simulator import SimResult, simulate
+from dhisparse_planner.specs import GLM5, RTX_PRO_6000, HardwareSpec, ModelSpec
+from dhisparse_planner.timing import StepLoad, decode_step_seconds
+from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 PR = "sgl-project/sglang PR #33075"
 BATCHES = (1, 2, 4, 8, 16, 32, 54)

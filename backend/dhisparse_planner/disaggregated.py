@@ -21,8 +21,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from dhisparse.planner.simulator import SimResult, Simulator
-from dhisparse.planner.timing import prefill_seconds
+from dhisparse_planner.simulator import SimResult, Simulator
+from dhisparse_planner.timing import prefill_seconds
 
 
 @dataclass(frozen=True)

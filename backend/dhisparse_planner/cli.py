@@ -8,10 +8,10 @@ Example (GLM-class, 32K in / 8K out, H200)::
 
 Writes ``plan.csv``, ``plan.md`` (table + recommendation) and PNG plots into ``--out`` and prints the table.
 ``dhisparse-plan footprint …`` prints one session's required / optional / speculative bytes instead
-(:mod:`dhisparse.planner.footprint_cli`).
+(:mod:`dhisparse_planner.footprint_cli`).
 ``--sensitivity`` adds ``sensitivity.csv`` / ``sensitivity.md`` / ``sensitivity.png``: for the first config
 against each other one, output and TTFT ratios at every concurrency with each constant of
-``dhisparse.planner.constants`` at the ends of its plausible range (one bar per constant).
+``dhisparse_planner.constants`` at the ends of its plausible range (one bar per constant).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 from dhisparse import defaults
-from dhisparse.planner.constants import CONSTANTS, Constant, Setup, affects
-from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
-from dhisparse.planner.report import (
+from dhisparse_planner.constants import CONSTANTS, Constant, Setup, affects
+from dhisparse_planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
+from dhisparse_planner.report import (
     PlanGrid,
     markdown_table,
     parse_config,
@@ -35,13 +35,13 @@ from dhisparse.planner.report import (
     run_grid,
     write_csv,
 )
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.sensitivity import COLUMNS as SENS_COLUMNS
-from dhisparse.planner.sensitivity import plot_sensitivity, ratio_claims, sensitivity
-from dhisparse.planner.simulator import SimResult, simulate
-from dhisparse.planner.specs import DRAFTERS, HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
-from dhisparse.planner.speculation import SpeculationModel
-from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.sensitivity import COLUMNS as SENS_COLUMNS
+from dhisparse_planner.sensitivity import plot_sensitivity, ratio_claims, sensitivity
+from dhisparse_planner.simulator import SimResult, simulate
+from dhisparse_planner.specs import DRAFTERS, HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
+from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 GIB = 2.0**30
 
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "footprint":
-        from dhisparse.planner.footprint_cli import main as footprint_main
+        from dhisparse_planner.footprint_cli import main as footprint_main
 
         return footprint_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -1,6 +1,6 @@
 """The paper's experiments (see ``/work/shared/seeds`` and DESIGN.md "Baselines"), run with the planner.
 
-Shared setup: one H200 (:data:`~dhisparse.planner.specs.H200`), GLM-5.x IndexShare NVFP4 (the paper's GLM-5.3
+Shared setup: one H200 (:data:`~dhisparse_planner.specs.H200`), GLM-5.x IndexShare NVFP4 (the paper's GLM-5.3
 is not public), page 64 rows, B = 4096 rows (HiSparse's published ``device_buffer_size``) with and without a
 drafter (the rows of a verification step that the hot cache cannot take go to verification staging, gamma = 4),
 drafter DFlash2 (acceptance 0.75 at 4K, -0.03 per
@@ -22,13 +22,13 @@ import dataclasses
 
 from dhisparse.kv import KVConfig
 from dhisparse.kv.footprint import request_footprint
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.report import PlanGrid, parse_config, recommend, run_grid, run_one
-from dhisparse.planner.scale import ScaleSpec, build_scaled_kv
-from dhisparse.planner.simulator import SimResult, simulate
-from dhisparse.planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, ModelSpec
-from dhisparse.planner.speculation import SpeculationModel
-from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.report import PlanGrid, parse_config, recommend, run_grid, run_one
+from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
+from dhisparse_planner.simulator import SimResult, simulate
+from dhisparse_planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, ModelSpec
+from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 CONFIGS = ("resident", "resident+dflash2", "hisparse", "adaptive", "adaptive+dflash2")
 OVERLAPS = (0.6, 0.8, 0.95)

@@ -1,9 +1,9 @@
 """Independent simulations run ahead in worker processes, then served to the code that asks for them.
 
 Every planner run is a pure function of its specs (hardware, model, serving, workload, scale, drafter and, for
-the disaggregated mode, the prefill side): :func:`dhisparse.planner.simulator.run_key`. :func:`run_ahead` runs a
+the disaggregated mode, the prefill side): :func:`dhisparse_planner.simulator.run_key`. :func:`run_ahead` runs a
 list of such :class:`Job` s in ``workers`` forked processes (longest first), stores each result under its key in
-:data:`dhisparse.planner.simulator.AHEAD`, and from then on :func:`~dhisparse.planner.simulator.simulate` (and
+:data:`dhisparse_planner.simulator.AHEAD`, and from then on :func:`~dhisparse_planner.simulator.simulate` (and
 :func:`run_job`) returns the stored result of an identical run instead of simulating it again. The experiments'
 code is unchanged: it asks for the same runs and gets the same results, only sooner; a run asked for twice (the
 co-located TTFT rows and the grid, say) is simulated once. ``tests/planner/test_batch.py`` checks that results
@@ -18,17 +18,17 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 
-from dhisparse.planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.simulator import AHEAD, AHEAD_WALL_S, SimResult, Simulator, run_key
-from dhisparse.planner.specs import DrafterSpec, HardwareSpec, ModelSpec
-from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+from dhisparse_planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.simulator import AHEAD, AHEAD_WALL_S, SimResult, Simulator, run_key
+from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
+from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 
 @dataclass(frozen=True)
 class Job:
-    """One simulation: the arguments of :func:`~dhisparse.planner.simulator.simulate` (``disaggregation`` set:
-    a :class:`~dhisparse.planner.disaggregated.DisaggregatedSimulator` run)."""
+    """One simulation: the arguments of :func:`~dhisparse_planner.simulator.simulate` (``disaggregation`` set:
+    a :class:`~dhisparse_planner.disaggregated.DisaggregatedSimulator` run)."""
 
     hw: HardwareSpec
     model: ModelSpec

@@ -13,11 +13,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from dhisparse.planner.core import SimRequest
-from dhisparse.planner.overlap import host_overlap
-from dhisparse.planner.simulator import SimResult
-from dhisparse.planner.specs import DrafterSpec, HardwareSpec, ModelSpec
-from dhisparse.planner.timing import StepLoad, decode_step_seconds, prefill_seconds
+from dhisparse_planner.core import SimRequest
+from dhisparse_planner.overlap import host_overlap
+from dhisparse_planner.simulator import SimResult
+from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
+from dhisparse_planner.timing import StepLoad, decode_step_seconds, prefill_seconds
 
 
 def retime(result: SimResult, hw: HardwareSpec, model: ModelSpec, drafter: DrafterSpec | None = None) -> SimResult:

@@ -16,15 +16,15 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
-from dhisparse.planner.batch import Job, run_job
-from dhisparse.planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
-from dhisparse.planner.constants import BY_NAME, Constant, Setup, affects
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.paper import BASE, SCALE, SPEC
-from dhisparse.planner.report import parse_config, recommend
-from dhisparse.planner.simulator import SimResult, simulate
-from dhisparse.planner.specs import GLM5_INDEXSHARE_NVFP4, H200
-from dhisparse.planner.workload import WorkloadSpec
+from dhisparse_planner.batch import Job, run_job
+from dhisparse_planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
+from dhisparse_planner.constants import BY_NAME, Constant, Setup, affects
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.paper import BASE, SCALE, SPEC
+from dhisparse_planner.report import parse_config, recommend
+from dhisparse_planner.simulator import SimResult, simulate
+from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
+from dhisparse_planner.workload import WorkloadSpec
 
 Key = tuple[str, int, float]
 Row = dict[str, float | str]
@@ -111,7 +111,7 @@ class LocalityCalibration:
 
 def calibrate_locality(trace: dict | None, log: bool = False, iters: int = FIT_ITERS) -> LocalityCalibration:
     """Fit to the published shares and (if given) to an engine trace summary
-    (:func:`dhisparse.planner.engine_trace.trace_summary`, e.g. ``docs/results/engine_trace.json``)."""
+    (:func:`dhisparse_planner.engine_trace.trace_summary`, e.g. ``docs/results/engine_trace.json``)."""
     published = fit_published(paper_shares, LocalityModel(overlap=0.85, recent_fraction=0.3), iters=iters,
                               overlap_bracket=(0.75, 0.95), recent_bracket=(0.1, 0.6))
     trace_fit = None
@@ -135,7 +135,7 @@ def calibrate_locality(trace: dict | None, log: bool = False, iters: int = FIT_I
 
 def calibrated_constants(cal: LocalityCalibration) -> tuple[Constant, ...]:
     """:data:`CONSTANTS` with the locality entries replaced by the calibration."""
-    from dhisparse.planner.constants import CONSTANTS
+    from dhisparse_planner.constants import CONSTANTS
 
     out = []
     for c in CONSTANTS:
@@ -155,7 +155,7 @@ RERUN_KEYS: tuple[tuple[str, int], ...] = (("adaptive", 128), ("hisparse", 128),
 
 def make_rerun(base: dict[Key, SimResult], by_overlap: dict[float, dict[Key, SimResult]],
                log: bool = False) -> Callable[[Constant, Setup], dict[Key, SimResult] | None]:
-    """``rerun`` for :func:`dhisparse.planner.sensitivity.sensitivity` over the paper's grids (module docstring)."""
+    """``rerun`` for :func:`dhisparse_planner.sensitivity.sensitivity` over the paper's grids (module docstring)."""
     nominal_ov = next(iter(base))[2]
 
     def rerun(c: Constant, setup: Setup) -> dict[Key, SimResult] | None:
@@ -184,7 +184,7 @@ def rerun_job(setup: Setup, label: str, conc: int) -> Job:
 
 
 def rerun_jobs(base_keys: Iterable[Key], setup: Setup, constants: Iterable[Constant]) -> list[Job]:
-    """Every re-simulation :func:`make_rerun` will ask for (to run them ahead, :mod:`dhisparse.planner.batch`)."""
+    """Every re-simulation :func:`make_rerun` will ask for (to run them ahead, :mod:`dhisparse_planner.batch`)."""
     keys = set(base_keys)
     jobs: list[Job] = []
     for c in constants:

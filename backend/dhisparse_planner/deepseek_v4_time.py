@@ -1,6 +1,6 @@
 """The DeepSeek-V4 time model: what one decode / verification step costs one GPU (seconds).
 
-Same structure and hardware constants as the DSA model (:mod:`dhisparse.planner.timing`); what differs is
+Same structure and hardware constants as the DSA model (:mod:`dhisparse_planner.timing`); what differs is
 what a V4 step reads and computes. Per query token and layer (``L`` = context tokens, ``W`` = sliding window,
 ``E = L // rate_csa`` compressed CSA entries, ``H = L // rate_hca`` HCA entries, ``k`` = ``index_topk``)::
 
@@ -42,8 +42,8 @@ import torch
 
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
 from dhisparse.model.deepseek_v4.weights import expected_shapes
-from dhisparse.planner.specs import DrafterSpec, HardwareSpec
-from dhisparse.planner.timing import combine_step
+from dhisparse_planner.specs import DrafterSpec, HardwareSpec
+from dhisparse_planner.timing import combine_step
 
 
 @dataclass(frozen=True)

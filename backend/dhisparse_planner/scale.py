@@ -26,7 +26,7 @@ import torch
 
 from dhisparse.kv import KVConfig, KVLayout
 from dhisparse.kv.footprint import request_footprint
-from dhisparse.planner.specs import ModelSpec
+from dhisparse_planner.specs import ModelSpec
 
 DTYPE = torch.float32
 

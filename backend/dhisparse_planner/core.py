@@ -1,6 +1,6 @@
 """The simulation core: the real :class:`KVManager` driven by the engine's scheduling rule, step by step.
 
-This module knows nothing about time or scale; :mod:`dhisparse.planner.simulator` adds both. What it does is
+This module knows nothing about time or scale; :mod:`dhisparse_planner.simulator` adds both. What it does is
 what ``LLMEngine.step`` does, in the same order, with payload-free rows (zeros):
 
 1. ``kv.poll()``;

@@ -7,7 +7,7 @@ Decode step (seconds)::
     t       = max(path, (host_bytes + refill_bytes) / host_bw)
         draft pass: drafter overhead + drafter weights / hbm_bw + drafter flops / (flop_rate * mfu)
 
-``exposed`` is the index-group schedule of :mod:`dhisparse.planner.overlap`: a full layer's fetched rows are
+``exposed`` is the index-group schedule of :mod:`dhisparse_planner.overlap`: a full layer's fetched rows are
 on the critical path, its shared layers' rows are copied while the layers before them compute. Refilled
 optional pages are asynchronous and only bound the step by the link's total busy time.
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dhisparse.planner.overlap import exposed_fetch_seconds
-from dhisparse.planner.specs import DrafterSpec, HardwareSpec, ModelSpec
+from dhisparse_planner.overlap import exposed_fetch_seconds
+from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
 
 
 @dataclass(frozen=True)

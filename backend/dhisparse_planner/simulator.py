@@ -6,8 +6,8 @@ Public API::
     result.summary()   # output tokens/s per GPU, mean TTFT, mean TPOT, host-fetched share, host_overlap, ...
 
 ``host_overlap`` in the summary is the fraction of host-fetch time the index-group schedule hid
-(:mod:`dhisparse.planner.overlap`), an outcome of the run. A closed-loop run without load steps makes the same
-KV decisions whatever the time constants are, so :func:`dhisparse.planner.retime.retime` can re-time it.
+(:mod:`dhisparse_planner.overlap`), an outcome of the run. A closed-loop run without load steps makes the same
+KV decisions whatever the time constants are, so :func:`dhisparse_planner.retime.retime` can re-time it.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dhisparse.planner.core import EngineCore, SimRequest, StepOutcome
-from dhisparse.planner.locality import SyntheticSelector
-from dhisparse.planner.overlap import host_overlap
-from dhisparse.planner.scale import ScaledKV, ScaleSpec, build_scaled_kv
-from dhisparse.planner.specs import DRAFTERS, DrafterSpec, HardwareSpec, ModelSpec
-from dhisparse.planner.timing import StepLoad, decode_step_seconds, prefill_seconds
-from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+from dhisparse_planner.core import EngineCore, SimRequest, StepOutcome
+from dhisparse_planner.locality import SyntheticSelector
+from dhisparse_planner.overlap import host_overlap
+from dhisparse_planner.scale import ScaledKV, ScaleSpec, build_scaled_kv
+from dhisparse_planner.specs import DRAFTERS, DrafterSpec, HardwareSpec, ModelSpec
+from dhisparse_planner.timing import StepLoad, decode_step_seconds, prefill_seconds
+from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 
 @dataclass
@@ -280,7 +280,7 @@ class Simulator:
                          self.log if self.retimable else None, self.drafter if self.serving.speculation else None)
 
 
-# Results of runs done ahead in worker processes (dhisparse.planner.batch.run_ahead), by run key; simulate() returns
+# Results of runs done ahead in worker processes (dhisparse_planner.batch.run_ahead), by run key; simulate() returns
 # the stored result of an identical run instead of simulating it again (every run is a pure function of its key).
 AHEAD: dict[tuple, SimResult] = {}
 AHEAD_WALL_S: dict[int, float] = {}  # id(result) -> seconds the worker spent on it

@@ -1,12 +1,12 @@
 """Entry-granular stepping of DeepSeek-V4 serving on one KV pool (one GPU, or one TP attention group).
 
-A separate, small simulator for V4 (the DSA simulator, :mod:`dhisparse.planner.simulator`, steps a
+A separate, small simulator for V4 (the DSA simulator, :mod:`dhisparse_planner.simulator`, steps a
 token-granular ``KVManager``). What it keeps from the planner: the locality model
-(:class:`~dhisparse.planner.locality.SyntheticSelector`), the speculation model
-(:class:`~dhisparse.planner.speculation.SpeculationModel`), the hardware presets, and admission from the V4
-manager's own footprint (:func:`dhisparse.planner.deepseek_v4.request_split`: ``request_footprint`` over the
+(:class:`~dhisparse_planner.locality.SyntheticSelector`), the speculation model
+(:class:`~dhisparse_planner.speculation.SpeculationModel`), the hardware presets, and admission from the V4
+manager's own footprint (:func:`dhisparse_planner.deepseek_v4.request_split`: ``request_footprint`` over the
 layout ``V4HierarchyKVManager`` builds + ``tail_state_bytes``). The time of a step is
-:func:`dhisparse.planner.deepseek_v4_time.v4_step_seconds`.
+:func:`dhisparse_planner.deepseek_v4_time.v4_step_seconds`.
 
 Model of a run (closed loop, ``clients`` requests issued at t = 0, one per client; prefill not modelled: the
 prompts arrive prefilled, as from a disaggregated prefill tier, and a request's first token is stamped at its
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
-from dhisparse.planner.deepseek_v4 import FP8_INDEX_KEY_BYTES, FP8_ROW_BYTES, kv_pool_bytes, request_split
-from dhisparse.planner.deepseek_v4_time import V4Costs, V4Deployment, V4StepLoad, v4_step_seconds
-from dhisparse.planner.locality import CALIBRATED, LocalityModel, SyntheticSelector
-from dhisparse.planner.specs import DRAFTERS, HardwareSpec
-from dhisparse.planner.speculation import SpeculationModel
+from dhisparse_planner.deepseek_v4 import FP8_INDEX_KEY_BYTES, FP8_ROW_BYTES, kv_pool_bytes, request_split
+from dhisparse_planner.deepseek_v4_time import V4Costs, V4Deployment, V4StepLoad, v4_step_seconds
+from dhisparse_planner.locality import CALIBRATED, LocalityModel, SyntheticSelector
+from dhisparse_planner.specs import DRAFTERS, HardwareSpec
+from dhisparse_planner.speculation import SpeculationModel
 
 WAITING, RUNNING, DONE = 0, 1, 2
 # complete pages counted as tail before the page being written (0: complete pages, prompt or decode, are

@@ -23,7 +23,7 @@ import torch
 @dataclass(frozen=True)
 class SpeculationModel:
     """Attributes:
-        drafter: ``dflash2`` or ``dspark`` (see :class:`dhisparse.planner.specs.DrafterSpec`).
+        drafter: ``dflash2`` or ``dspark`` (see :class:`dhisparse_planner.specs.DrafterSpec`).
         gamma: draft tokens per block (verification length ``gamma + 1``).
         accept_prob: per-token acceptance at ``ref_context_tokens`` (0..1).
         decay_per_doubling: acceptance lost per doubling of context beyond ``ref_context_tokens``.

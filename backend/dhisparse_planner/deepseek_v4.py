@@ -28,7 +28,7 @@ from dhisparse.engine.v4_hierarchy import csa_layout, entry_rows, tail_state_byt
 from dhisparse.kv.config import KVConfig
 from dhisparse.kv.footprint import request_footprint
 from dhisparse.model.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
-from dhisparse.planner.specs import DRAFTERS, H200, HardwareSpec
+from dhisparse_planner.specs import DRAFTERS, H200, HardwareSpec
 
 FP8_ROW_BYTES = 584  # 448 e4m3 + 64 bf16 + 7 e8m0 scales + 1 pad
 FP8_INDEX_KEY_BYTES = 132  # ASSUMED, as DeepSeek-V3.2's FP8 indexer key

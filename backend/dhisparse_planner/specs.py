@@ -176,7 +176,7 @@ H200 = HardwareSpec(
     source=("NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s, FP8 1,979 TFLOPS dense (3,958 with "
             "sparsity); host link PCIe Gen5 x16 (64 GB/s per direction nominal). ASSUMED: 25 GB/s effective for "
             "scattered 656-byte row gathers, step overhead 12 ms (TP8 collectives + launches), mfu 0.4; prefetch "
-            "efficiency 0.93 (sglang PR #29637). Ranges and sources: dhisparse.planner.constants."),
+            "efficiency 0.93 (sglang PR #29637). Ranges and sources: dhisparse_planner.constants."),
 )
 
 RTX_PRO_6000 = HardwareSpec(

@@ -1,9 +1,9 @@
 """How far each constant moves a verdict: one bar per constant, from its low to its high plausible value.
 
 A *claim* is a number computed from a grid's rows (a ratio such as adaptive / hisparse output at C128). For
-each constant of :data:`~dhisparse.planner.constants.CONSTANTS` the claim is recomputed with the constant at the
+each constant of :data:`~dhisparse_planner.constants.CONSTANTS` the claim is recomputed with the constant at the
 low and at the high end of its range, every other constant nominal. Time-only constants re-time the finished
-runs (:func:`~dhisparse.planner.retime.retime`, exact for closed loops); the others call ``rerun`` with the
+runs (:func:`~dhisparse_planner.retime.retime`, exact for closed loops); the others call ``rerun`` with the
 changed setup (a new simulation, or grid results that already hold the changed value). Everything is seeded:
 the report is a pure function of its inputs.
 """
@@ -15,10 +15,10 @@ import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from dhisparse.planner.constants import CONSTANTS, Constant, Setup
-from dhisparse.planner.report import result_row
-from dhisparse.planner.retime import retime
-from dhisparse.planner.simulator import SimResult
+from dhisparse_planner.constants import CONSTANTS, Constant, Setup
+from dhisparse_planner.report import result_row
+from dhisparse_planner.retime import retime
+from dhisparse_planner.simulator import SimResult
 
 Key = tuple[str, int, float]  # (config label, concurrency, overlap)
 Row = dict[str, float | str]
@@ -28,7 +28,7 @@ COLUMNS = ("claim", "constant", "unit", "low", "high", "nominal", "at_low", "at_
 
 
 def rows_of(results: dict[Key, SimResult], gpus: int) -> list[Row]:
-    """Table rows of a set of results (as :func:`dhisparse.planner.report.run_one` makes them)."""
+    """Table rows of a set of results (as :func:`dhisparse_planner.report.run_one` makes them)."""
     return [result_row(res, label, c, overlap, gpus) for (label, c, overlap), res in results.items()]
 
 
