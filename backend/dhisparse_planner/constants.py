@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from dhisparse.kv.policies import KV_POLICIES, policy_named
 from dhisparse_planner.locality import LocalityModel
 from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
 from dhisparse_planner.speculation import SpeculationModel
@@ -131,12 +132,13 @@ class Setup:
 
 
 def affects(c: Constant, label: str) -> bool:
-    """Whether constant ``c`` can change a ``policy[+drafter]`` run (resident fetches nothing from host; only
-    speculative runs draft or verify)."""
+    """Whether constant ``c`` can change a ``policy[+drafter]`` run (a policy that does not use the host store
+    fetches nothing from it; only speculative runs draft or verify)."""
+    policy, _, drafter = label.partition("+")
     if c.target in ("speculation", "drafter") or (c.target == "locality" and c.field == "query_overlap"):
-        return "+" in label
+        return bool(drafter)
     if c.target == "locality":
-        return not label.startswith("resident")
+        return policy_named(policy, "config label", KV_POLICIES).uses_host
     return True
 
 

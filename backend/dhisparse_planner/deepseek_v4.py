@@ -76,7 +76,8 @@ def request_split(cfg: DeepseekV4Config, policy: str, prompt_tokens: int, output
     fp = request_footprint(layout, config, prompt_rows, new_rows)
     csa_sources = layout.num_sources
     index_keys = len(cfg.csa_layers) * ((prompt_tokens + output_tokens) // cfg.compress_rate_csa) * FP8_INDEX_KEY_BYTES
-    optional = csa_sources * (prompt_rows // page_rows) * page_rows * layout.row_bytes if policy == "adaptive" else 0
+    optional_pages = config.kv_policy.optional_prompt_pages(prompt_rows, page_rows)
+    optional = csa_sources * optional_pages * page_rows * layout.row_bytes
     return {"required_bytes": float(fp.required_bytes), "csa_pages_bytes": float(fp.pages_bytes),
             "metadata_bytes": float(fp.metadata_bytes), "tail_bytes": float(tail),
             "index_key_bytes": float(index_keys), "optional_bytes": float(optional),

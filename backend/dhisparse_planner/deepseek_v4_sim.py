@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dhisparse.kv.policies import KV_POLICIES, KVPolicy, policy_named
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
 from dhisparse_planner.deepseek_v4 import FP8_INDEX_KEY_BYTES, FP8_ROW_BYTES, kv_pool_bytes, request_split
 from dhisparse_planner.deepseek_v4_time import V4Costs, V4Deployment, V4StepLoad, v4_step_seconds
@@ -63,6 +64,14 @@ class V4Serving:
     page_rows: int = 64
     refill_pages_per_step: int = 64
     locality: LocalityModel = CALIBRATED
+
+    def __post_init__(self) -> None:
+        policy_named(self.policy, "V4Serving.policy", KV_POLICIES)  # ConfigError (a ValueError) naming the field
+
+    @property
+    def kv_policy(self) -> KVPolicy:
+        """The policy object whose decisions the stepping follows (``dhisparse.kv.policies``)."""
+        return policy_named(self.policy, "V4Serving.policy", KV_POLICIES)
 
     @property
     def label(self) -> str:
@@ -107,7 +116,8 @@ class V4Sim:
         self.complete_entries = entries // serving.page_rows * serving.page_rows  # optional candidates / host
         self.page_bytes = serving.page_rows * FP8_ROW_BYTES  # one CSA layer's page
         rows = (prompt_tokens + output_tokens) // self.rate // ge + 3 + q_max  # + a zero sink column
-        self.last_used = torch.zeros(clients if serving.policy != "resident" else 1, rows, dtype=torch.int32)
+        self.policy = serving.kv_policy
+        self.last_used = torch.zeros(clients if self.policy.hot_cache else 1, rows, dtype=torch.int32)
         self.selector = SyntheticSelector(serving.locality, cfg.index_topk // ge, 1, self.rate * ge, seed)
         self.gen = torch.Generator().manual_seed(seed + 1)
         self.ctx = torch.full((clients,), prompt_tokens, dtype=torch.int64)
@@ -140,10 +150,11 @@ class V4Sim:
             self.admitted += 1
             self.generated[i] = 1  # the prefill's token
             self.first_s[i] = self.clock
-            if self.serving.policy == "adaptive":
+            candidates = self.policy.optional_prompt_pages(self.complete_entries, self.serving.page_rows)
+            if candidates:  # resident-first admission: spare memory keeps complete prompt pages on device
                 spare = self.pool - self._required_in_use() - self._optional_bytes()
                 pages = int(spare // (self.n_csa * self.page_bytes))
-                self.optional_pages[i] = max(0, min(pages, self.complete_entries // self.serving.page_rows))
+                self.optional_pages[i] = max(0, min(pages, candidates))
 
     def _reclaim(self, allowed_optional: float) -> None:
         """Free whole requests' optional pages, fewest remaining tokens first (ties: latest admitted)."""
@@ -157,12 +168,12 @@ class V4Sim:
 
     def _refill(self) -> float:
         """Refill optional pages into spare memory; returns the bytes moved per real step."""
-        if self.serving.policy != "adaptive" or bool((self.status == WAITING).any()):
+        if not self.policy.refills or bool((self.status == WAITING).any()):
             return 0.0
         budget = self.serving.refill_pages_per_step * self.scale.step_scale  # layer pages this simulated step
         spare_pages = int((self.pool - self._required_in_use() - self._optional_bytes()) // self.page_bytes)
         budget = min(budget, spare_pages)
-        full = self.complete_entries // self.serving.page_rows
+        full = self.policy.optional_prompt_pages(self.complete_entries, self.serving.page_rows)
         moved = 0
         for i in torch.argsort(torch.where(self.status == RUNNING, self.admit_order, self.n + 1)).tolist():
             if budget < self.n_csa or self.status[i] != RUNNING:
@@ -212,7 +223,7 @@ class V4Sim:
         b = len(idx)
         q = torch.ones(b, dtype=torch.int64) if spec is None else spec.verify_lengths(ctx, b)
         q_max = int(q.max())
-        if self.serving.policy == "resident":  # every entry on device: no selection needed for the time model
+        if not self.policy.uses_host:  # every entry on device: no selection needed for the time model
             picks = torch.clamp(ctx // (self.rate * ge), max=self.cfg.index_topk // ge)
             direct, hot, host = int((q * picks).sum()), 0, 0
         else:
@@ -240,7 +251,7 @@ class V4Sim:
         self.optional_pages[done] = 0
         for i in done.tolist():
             self.selector.forget(str(i))
-        if self.serving.policy != "resident":
+        if self.policy.hot_cache:
             self.last_used[done] = 0
 
     def run(self, max_steps: int = 1_000_000) -> dict[str, float]:

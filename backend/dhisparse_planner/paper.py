@@ -23,7 +23,7 @@ import dataclasses
 from dhisparse.kv import KVConfig
 from dhisparse.kv.footprint import request_footprint
 from dhisparse_planner.locality import LocalityModel
-from dhisparse_planner.report import PlanGrid, parse_config, recommend, run_grid, run_one
+from dhisparse_planner.report import PlanGrid, label_uses_host, parse_config, recommend, run_grid, run_one
 from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
 from dhisparse_planner.simulator import SimResult, simulate
 from dhisparse_planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, ModelSpec
@@ -142,7 +142,7 @@ def deepseek_500k(concurrency: int = 0, output_tokens: int = 2048, overlaps: tup
     spec = dataclasses.replace(SPEC, drafter="dspark", busy_batch=32)
     rows: list[Row] = []
     for label in ("resident+dspark", "hisparse", "adaptive+dspark"):
-        for overlap in overlaps if not label.startswith("resident") else overlaps[:1]:
+        for overlap in overlaps if label_uses_host(label) else overlaps[:1]:
             serving = dataclasses.replace(parse_config(label, BASE, spec, DSV32.index_topk),
                                           locality=dataclasses.replace(locality, overlap=overlap))
             work = WorkloadSpec(prompt, output_tokens, concurrency=c, num_requests=c)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dhisparse.kv.policies import KV_POLICIES, policy_named
 from dhisparse_planner.scale import ScaleSpec
 from dhisparse_planner.simulator import AHEAD_WALL_S, SimResult, simulate
 from dhisparse_planner.specs import HardwareSpec, ModelSpec
@@ -73,8 +74,13 @@ def parse_config(label: str, base: ServingSpec, speculation: SpeculationModel, i
 
 
 def uses_locality(serving: ServingSpec) -> bool:
-    """``resident`` never fetches from host, so its result does not depend on the locality model."""
+    """A policy without the host store never fetches from it, so its result does not depend on the locality."""
     return serving.uses_host
+
+
+def label_uses_host(label: str) -> bool:
+    """Whether the policy of ``policy[+drafter]`` uses the host store (and so depends on the locality model)."""
+    return policy_named(label.partition("+")[0], "config label", KV_POLICIES).uses_host
 
 
 def decode_tok_per_s(result: SimResult) -> float:
@@ -205,9 +211,10 @@ def plot_grid(rows: Sequence[dict[str, float | str]], out_dir: Path, prefix: str
         for label, overlap in keys:
             pts = sorted((float(r["concurrency"]), float(r[metric]) * mult) for r in rows
                          if r["label"] == label and float(r["overlap"]) == overlap)
-            if label.startswith("resident") and overlap != keys[0][1] and len({k[1] for k in keys}) > 1:
+            host = label_uses_host(label)
+            if not host and overlap != keys[0][1] and len({k[1] for k in keys}) > 1:
                 continue  # identical for every overlap
-            name = label if label.startswith("resident") else f"{label} (overlap {overlap:g})"
+            name = label if not host else f"{label} (overlap {overlap:g})"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")

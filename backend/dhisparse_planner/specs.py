@@ -149,6 +149,8 @@ class DrafterSpec:
         flops_per_token: drafter FLOPs per proposed token.
         ring_bytes: the draft ring buffer of one request (bytes): the drafter's visible window of context rows;
             with verification staging it is the request's speculative state (required memory).
+        confidence_head: whether the drafter scores its own drafts (DSpark), so a busy scheduler can verify only
+            the confident prefix (:meth:`dhisparse_planner.speculation.SpeculationModel.verify_lengths`).
         source: where the figures come from.
     """
 
@@ -158,6 +160,7 @@ class DrafterSpec:
     flops_per_token: float = 2 * 1.0e9
     extra: dict = field(default_factory=dict, compare=False)
     ring_bytes: float = 0.0
+    confidence_head: bool = False
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -255,7 +258,7 @@ DRAFTERS = {
                            source=("ASSUMED: 2 drafter layers at GLM-5's hidden size 6144 in bf16, window 64 (the "
                                    "engine's DFlash2Config default): 64 x 2 x 2 x 6144 x 2 B = 3 MiB ring")),
     "dspark": DrafterSpec("dspark", weight_bytes=1.5e9, pass_overhead_s=0.0015, flops_per_token=2 * 0.75e9,
-                          ring_bytes=1 * 2 * _GLM_HIDDEN * _BF16,
+                          ring_bytes=1 * 2 * _GLM_HIDDEN * _BF16, confidence_head=True,
                           source="ASSUMED: one feature row of 2 target layers x 6144 in bf16 (window 1): 24 KiB"),
 }
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dhisparse_planner.specs import DRAFTERS
+
 
 @dataclass(frozen=True)
 class SpeculationModel:
@@ -43,8 +45,8 @@ class SpeculationModel:
     min_confidence: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.drafter not in ("dflash2", "dspark"):
-            raise ValueError(f"drafter must be 'dflash2' or 'dspark', got {self.drafter!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"SpeculationModel.drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.gamma < 1:
             raise ValueError(f"gamma must be >= 1, got {self.gamma}")
         for name in ("accept_prob", "min_accept_prob", "min_confidence"):
@@ -65,7 +67,7 @@ class SpeculationModel:
     def verify_lengths(self, context_tokens: torch.Tensor, batch: int) -> torch.Tensor:
         """Verification length ``q`` per request ``[B]`` int64 (1 + verified draft tokens), after shortening."""
         full = torch.full_like(context_tokens, self.max_query_len, dtype=torch.int64)
-        if self.drafter != "dspark" or self.busy_batch == 0 or batch < self.busy_batch:
+        if not DRAFTERS[self.drafter].confidence_head or self.busy_batch == 0 or batch < self.busy_batch:
             return full
         alpha = self.accept_prob_at(context_tokens)
         if self.min_confidence <= 0.0:
