@@ -9,6 +9,10 @@ Values:
     RESERVE_BYTES: 0 (no admission reserve).
     REFILL_PAGES_PER_STEP: 64 optional pages (of any source) refilled from host per step.
     NUM_DRAFT_TOKENS: 4 (``gamma``, verification length ``gamma + 1``).
+    MAX_BATCH_SIZE: 32 requests running at once (``EngineConfig.max_batch_size``).
+    MAX_PREFILL_TOKENS_PER_STEP: 4096 prompt tokens prefilled per engine step (the first prefill of a step is
+        never refused).
+    DSPARK_BUSY_BATCH: 8: a batch at least this large counts as busy for DSpark's load-aware shortening.
 """
 
 from __future__ import annotations
@@ -19,3 +23,6 @@ HOT_ROWS = 0
 RESERVE_BYTES = 0
 REFILL_PAGES_PER_STEP = 64
 NUM_DRAFT_TOKENS = 4
+MAX_BATCH_SIZE = 32
+MAX_PREFILL_TOKENS_PER_STEP = 4096
+DSPARK_BUSY_BATCH = 8
