@@ -31,8 +31,9 @@ GIB = 1 << 30
 PROMPT, OUTPUT = 500_000, 2048
 CLIENTS = 512
 PAPER_RATIO = 1.85
-# the DSpark setting of the DeepSeek-V3.2 500K experiment (dhisparse_planner.paper.deepseek_500k)
-SPEC = SpeculationModel(drafter="dspark", gamma=4, busy_batch=32)
+# the DSpark setting of the DeepSeek-V3.2 500K experiment (dhisparse_planner.paper.deepseek_500k): the engine's
+# load-aware shortening (dhisparse.defaults.DSPARK_BUSY_BATCH)
+SPEC = SpeculationModel(drafter="dspark", gamma=4)
 SCALE = V4Scale(entry_scale=8, step_scale=32)
 # (reading, deployment, clients on one KV pool)
 READINGS = (

@@ -68,9 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="B per request and layer (0: index_topk, with or without a drafter)")
     p.add_argument("--page-rows", type=int, default=defaults.PAGE_ROWS)
     p.add_argument("--reserve-gib", type=float, default=0.0)
+    p.add_argument("--max-batch-size", type=int, default=defaults.MAX_BATCH_SIZE,
+                   help="most requests running at once (the engine's max_batch_size)")
+    p.add_argument("--max-prefill-tokens-per-step", type=int, default=defaults.MAX_PREFILL_TOKENS_PER_STEP,
+                   help="prompt tokens prefilled per engine step (the engine's max_prefill_tokens_per_step)")
     p.add_argument("--gamma", type=int, default=defaults.NUM_DRAFT_TOKENS, help="draft tokens per block")
     p.add_argument("--accept-prob", type=float, default=0.75, help="per-token acceptance at 4K context")
-    p.add_argument("--busy-batch", type=int, default=32, help="DSpark shortens verification from this batch")
+    p.add_argument("--busy-batch", type=int, default=defaults.DSPARK_BUSY_BATCH,
+                   help="DSpark shortens verification from this batch (the engine's dspark_busy_batch)")
     p.add_argument("--token-scale", type=int, default=64, help="g of the scale model (see docs/planner.md)")
     p.add_argument("--index-groups", type=int, default=1, help="index groups simulated")
     p.add_argument("--tpot-bound-ms", type=float, default=50.0, help="latency bound for the recommendation")
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             input_tokens=args.input_tokens, output_tokens=args.output_tokens,
             requests_per_client=args.requests_per_client,
             base_serving=ServingSpec(hot_rows=args.hot_rows, page_rows=args.page_rows,
-                                     reserve_bytes=args.reserve_gib * GIB,
+                                     reserve_bytes=args.reserve_gib * GIB, max_batch_size=args.max_batch_size,
+                                     max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
                                      locality=dataclasses.replace(CALIBRATED, recent_fraction=args.recent_fraction)),
             speculation=SpeculationModel(gamma=args.gamma, accept_prob=args.accept_prob, busy_batch=args.busy_batch),
             scale=ScaleSpec(token_scale=args.token_scale, index_groups=args.index_groups), seed=args.seed)

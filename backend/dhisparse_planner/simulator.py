@@ -112,8 +112,9 @@ class Simulator:
         groups = -(-self.kvs.layout.num_layers // model.index_group_size)
         self.selector = SyntheticSelector(serving.locality, self.kvs.layout.index_topk, groups, g, workload.seed)
         self.gen = torch.Generator().manual_seed(workload.seed + 1)
+        # one simulated step stands for g real ones, so it may prefill what g real steps may (the scale model)
         self.core = EngineCore(self.kvs.layout, self.kvs.config, serving.max_batch_size,
-                               serving.max_prefill_tokens_per_step, self._positions,
+                               serving.max_prefill_tokens_per_step * g, self._positions,
                                prefill_tokens=lambda r: r.prompt_tokens,  # type: ignore[attr-defined]
                                on_release=self._released)
         self.check_every = check_invariants_every

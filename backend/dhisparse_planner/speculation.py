@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dhisparse import defaults
 from dhisparse_planner.specs import DRAFTERS
 
 
@@ -31,17 +32,19 @@ class SpeculationModel:
         decay_per_doubling: acceptance lost per doubling of context beyond ``ref_context_tokens``.
         ref_context_tokens: context length (real tokens) where ``accept_prob`` holds.
         min_accept_prob: floor of the decayed acceptance.
-        busy_batch: batch size from which a DSpark scheduler shortens verification (0: never).
-        min_confidence: cumulative-confidence threshold used when busy (0..1).
+        busy_batch: batch size from which a DSpark scheduler shortens verification (0: never; default: the
+            engine's ``dspark_busy_batch``).
+        min_confidence: cumulative-confidence threshold used when busy (0..1; the engine's
+            ``dspark_busy_confidence``).
     """
 
     drafter: str = "dflash2"
-    gamma: int = 4
+    gamma: int = defaults.NUM_DRAFT_TOKENS
     accept_prob: float = 0.75
     decay_per_doubling: float = 0.03
     ref_context_tokens: int = 4096
     min_accept_prob: float = 0.3
-    busy_batch: int = 0
+    busy_batch: int = defaults.DSPARK_BUSY_BATCH
     min_confidence: float = 0.3
 
     def __post_init__(self) -> None:

@@ -43,8 +43,13 @@ BASELINE_TOK_S = (47.7, 84.2, 153.3, 213.3, 217.3, 215.9, 214.7)
 HISPARSE_TOK_S = (44.1, 77.2, 144.0, 252.9, 361.0, 523.6, 643.6)
 PUBLISHED_RATIO = (0.92, 0.92, 0.94, 1.19, 1.66, 2.43, 3.00)
 INPUT_TOKENS, OUTPUT_TOKENS = 32768, 2048
+# The PR's decode instance ran up to its largest target batch, with prompts prefilled elsewhere (P/D disaggregated):
+# named here, as neither is the engine's default (dhisparse.defaults).
+MAX_RUNNING = max(BATCHES)
+PREFILL_TOKENS_PER_STEP = MAX_RUNNING * INPUT_TOKENS
 BASELINE_RUNNING, BASELINE_POOL_USE = 6, 0.87
 DEVICE_BUFFER_ROWS = 4096
+SERVING = ServingSpec(max_batch_size=MAX_RUNNING, max_prefill_tokens_per_step=PREFILL_TOKENS_PER_STEP)
 
 
 def validation_setup() -> tuple[HardwareSpec, ModelSpec]:
@@ -90,12 +95,13 @@ def run_validation(overlaps: tuple[float, ...] = (0.6, 0.8, 0.95), token_scale: 
     baseline: dict[int, float] = {}
     for b in BATCHES:
         work = WorkloadSpec(INPUT_TOKENS, OUTPUT_TOKENS, concurrency=b, num_requests=b)
-        baseline[b] = steady_decode_tok_per_s(simulate(hw, model, ServingSpec(policy="resident"), work, scale))
+        baseline[b] = steady_decode_tok_per_s(simulate(hw, model, dataclasses.replace(SERVING, policy="resident"),
+                                                       work, scale))
     fits = hisparse_capacity(model, hw)
     for variant, spec_model in (("hisparse", model), ("hisparse (pool x4)", big)):
         for overlap in overlaps:
-            serving = ServingSpec(policy="hisparse", hot_rows=DEVICE_BUFFER_ROWS,
-                                  locality=dataclasses.replace(locality, overlap=overlap))
+            serving = dataclasses.replace(SERVING, policy="hisparse", hot_rows=DEVICE_BUFFER_ROWS,
+                                          locality=dataclasses.replace(locality, overlap=overlap))
             for i, b in enumerate(BATCHES):
                 if variant != "hisparse" and b <= fits:  # same run as with the PR's pool
                     same = next(r for r in rows if r["variant"] == "hisparse" and r["overlap"] == overlap

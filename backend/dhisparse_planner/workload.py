@@ -62,7 +62,8 @@ class WorkloadSpec:
 
 @dataclass(frozen=True)
 class ServingSpec:
-    """How the GPU serves: KV policy and budget knobs, batch limits, speculation (real units).
+    """How the GPU serves: KV policy and budget knobs, batch limits, speculation (real units). Every default is
+    the engine's (``dhisparse.defaults``); a scenario that models another setup names its values (``paper.py``).
 
     Attributes:
         policy: ``resident``, ``hisparse`` or ``adaptive``.
@@ -82,8 +83,8 @@ class ServingSpec:
     page_rows: int = defaults.PAGE_ROWS
     reserve_bytes: float = float(defaults.RESERVE_BYTES)
     refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
-    max_batch_size: int = 512
-    max_prefill_tokens_per_step: int = 1 << 20
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    max_prefill_tokens_per_step: int = defaults.MAX_PREFILL_TOKENS_PER_STEP
     speculation: SpeculationModel | None = None
     locality: LocalityModel = LocalityModel()
 
