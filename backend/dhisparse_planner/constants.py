@@ -90,9 +90,6 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("draft acceptance at 4K", "speculation", "accept_prob", 0.75, 0.6, 0.85, "", 1.0,
              "no source for GLM-5.3 + DFlash2 in the fetched paper text; our demo drafters measure lower "
              "(docs/demo_model.md): wide range.", retime=False, relative=False),
-    Constant("verification query overlap", "locality", "query_overlap", 0.9, 0.7, 0.98, "", 1.0,
-             "no source (consecutive draft positions select similar rows): wide range.", retime=False,
-             relative=False),
     Constant("locality overlap", "locality", "overlap", 0.8, 0.6, 0.95, "", 1.0,
              "calibrated: docs/results/calibration.csv (published shares + engine traces); these defaults are "
              "replaced by the fit.", retime=False, relative=False),
@@ -135,7 +132,7 @@ def affects(c: Constant, label: str) -> bool:
     """Whether constant ``c`` can change a ``policy[+drafter]`` run (a policy that does not use the host store
     fetches nothing from it; only speculative runs draft or verify)."""
     policy, _, drafter = label.partition("+")
-    if c.target in ("speculation", "drafter") or (c.target == "locality" and c.field == "query_overlap"):
+    if c.target in ("speculation", "drafter"):
         return bool(drafter)
     if c.target == "locality":
         return policy_named(policy, "config label", KV_POLICIES).uses_host

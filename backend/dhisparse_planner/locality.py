@@ -2,10 +2,13 @@
 
 Synthetic model (per request and simulated index group; positions in simulated rows):
 
-- The first query of a step keeps each position of the previous step's last-query selection with probability
-  ``overlap`` (temporal locality of the indexer's top-k across consecutive tokens).
-- Each later verification query keeps each position of the query before it with probability
-  ``query_overlap`` (consecutive draft positions select similar rows).
+- A selection belongs to a *position*: the query at position ``p`` selects ``S(p)``, whatever step verifies it.
+  ``S(p)`` keeps each position of ``S(p - 1)`` with probability ``overlap`` (the temporal locality of the indexer's
+  top-k across consecutive tokens): consecutive verification queries of one step follow the same per-token
+  overlap as consecutive decode steps.
+- A position verified again (a draft rejected in the previous step, re-verified from the corrected token on) keeps
+  the selection it had, and the next step's first query is anchored on the previous step's selection of the
+  position before it (the last *accepted* one), never on a rejected draft's.
 - Every position not kept is a *fresh* pick: with probability ``recent_fraction`` uniform over the most recent
   ``recent_window_tokens`` (real tokens) of the history, else uniform over the whole history. Duplicates are
   re-drawn (three rounds; any left are dropped as unused entries).
@@ -25,15 +28,14 @@ import torch
 @dataclass(frozen=True)
 class LocalityModel:
     """Attributes (fractions in [0, 1]; window in real tokens):
-    overlap, query_overlap, recent_fraction, recent_window_tokens — see the module docstring."""
+    overlap, recent_fraction, recent_window_tokens — see the module docstring."""
 
     overlap: float = 0.8
-    query_overlap: float = 0.9
     recent_fraction: float = 0.2
     recent_window_tokens: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("overlap", "query_overlap", "recent_fraction"):
+        for name in ("overlap", "recent_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.recent_window_tokens < 1:
@@ -55,10 +57,12 @@ class SyntheticSelector:
         self.model, self.topk, self.groups = model, topk, groups
         self.window = max(1, model.recent_window_tokens // token_scale)
         self.gen = torch.Generator().manual_seed(seed)
-        self.previous: dict[str, torch.Tensor] = {}  # request -> [groups, K] last query's selection
+        # request -> (first position, [groups, n, K] selections of positions first .. first + n - 1): the last
+        # step's queries, kept so a position verified again keeps its selection
+        self.stored: dict[str, tuple[int, torch.Tensor]] = {}
 
     def forget(self, request_id: str) -> None:
-        self.previous.pop(request_id, None)
+        self.stored.pop(request_id, None)
 
     def _fresh(self, limit: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """Fresh picks below ``limit`` (broadcast to ``shape``): recent window or uniform history."""
@@ -83,30 +87,52 @@ class SyntheticSelector:
         dup = torch.zeros_like(dup_sorted).scatter_(-1, order, dup_sorted)
         return torch.where(dup, torch.full_like(sel, -1), sel)
 
+    def _known(self, request_ids: list[str], starts: list[int], q: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+        """From the stored selections: ``anchor [B, G, K]`` = ``S(start - 1)`` (-1 where unknown), ``known [B, G,
+        Q, K]`` = ``S(start + j)`` where stored and ``have [B, Q]`` marking them."""
+        batch, k = len(request_ids), self.topk
+        anchor = torch.full((batch, self.groups, k), -1, dtype=torch.int64)
+        known = torch.full((batch, self.groups, q, k), -1, dtype=torch.int64)
+        have = torch.zeros(batch, q, dtype=torch.bool)
+        for b, (rid, start) in enumerate(zip(request_ids, starts, strict=True)):
+            got = self.stored.get(rid)
+            if got is None:
+                continue
+            first, sel = got
+            n = sel.shape[1]
+            if first <= start - 1 < first + n:
+                anchor[b] = sel[:, start - 1 - first]
+            lo, hi = max(start, first), min(start + q, first + n)
+            if lo < hi:
+                known[b, :, lo - start:hi - start] = sel[:, lo - first:hi - first]
+                have[b, lo - start:hi - start] = True
+        return anchor, known, have
+
     def select(self, request_ids: list[str], starts: torch.Tensor, query_lens: torch.Tensor,
                max_query_len: int) -> list[torch.Tensor]:
-        """Positions ``[B, Q, K]`` int64 for each simulated group; ``-1`` for queries beyond ``query_lens``."""
+        """Positions ``[B, Q, K]`` int64 for each simulated group; ``-1`` for queries beyond ``query_lens``. Query
+        ``j`` of request ``b`` is the one at position ``starts[b] + j``."""
         batch, k, q = len(request_ids), self.topk, max_query_len
+        start_list = [int(x) for x in starts.tolist()]
         limit = (starts.view(-1, 1) + 1 + torch.arange(q)).view(batch, 1, q, 1)  # [B, 1, Q, 1]
         limit = limit.expand(batch, self.groups, q, 1)
         out = torch.empty(batch, self.groups, q, k, dtype=torch.int64)
-        prev = torch.stack([self.previous.get(r, torch.full((self.groups, k), -1, dtype=torch.int64))
-                            for r in request_ids])  # [B, G, K]
+        prev, known, have = self._known(request_ids, start_list, q)
         for j in range(q):
             lim = limit[:, :, j]  # [B, G, 1]
-            keep_p = self.model.overlap if j == 0 else self.model.query_overlap
-            keep = (torch.rand(batch, self.groups, k, generator=self.gen) < keep_p) & (prev >= 0) & (prev < lim)
+            keep = (torch.rand(batch, self.groups, k, generator=self.gen) < self.model.overlap) & (prev >= 0) \
+                & (prev < lim)
             sel = torch.where(keep, prev, self._fresh(lim, (batch, self.groups, k)))
             sel = self._dedupe(sel, lim)
             short = lim <= k  # whole history fits the top-k: select all of it
             every = torch.arange(k).expand(batch, self.groups, k)
             sel = torch.where(short, torch.where(every < lim, every, -1), sel)
+            sel = torch.where(have[:, j].view(batch, 1, 1), known[:, :, j], sel)  # verified again: unchanged
             out[:, :, j] = sel
             prev = sel
-        last = (query_lens - 1).view(-1, 1, 1, 1).expand(batch, self.groups, 1, k)
-        final = out.gather(2, last).squeeze(2)
-        for b, r in enumerate(request_ids):
-            self.previous[r] = final[b].clone()
+        for b, (rid, start) in enumerate(zip(request_ids, start_list, strict=True)):
+            self.stored[rid] = (start, out[b, :, : int(query_lens[b])].clone())
         active = torch.arange(q).view(1, 1, q, 1) < query_lens.view(-1, 1, 1, 1)
         out = torch.where(active, out, torch.full_like(out, -1))
         return [out[:, g_] for g_ in range(self.groups)]
