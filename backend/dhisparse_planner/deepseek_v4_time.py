@@ -7,7 +7,7 @@ what a V4 step reads and computes. Per query token and layer (``L`` = context to
     rows   = every layer: min(L, W) window rows  + CSA layer: min(k, E) selected entries  + HCA layer: H entries
     keys   = CSA layer that owns an indexer: E indexer keys (the lightning indexer scores every entry)
 
-    hbm    = weight bytes read + rows * row_bytes + keys * index_key_bytes
+    hbm    = weight bytes read + rows * row_bytes + keys_per_request * index_key_bytes   (keys read once per step)
     flops  = 2 * active_params * T / gpus                                    (every projection, MoE, mHC, head)
            + (heads / attn_tp) * attn_flops_per_head_row * rows              (K=V MQA over the rows)
            + (index_heads / attn_tp) * 2 * index_head_dim * keys             (indexer scores)
@@ -16,11 +16,12 @@ what a V4 step reads and computes. Per query token and layer (``L`` = context to
                                           so its fetch follows its own top-k: exposed, overlap.py group size 1)
     t      = max(step_overhead + compute + exposed(fetch) + draft, (host_bytes + refill_bytes) / host_bw)
 
-Rows and keys are summed over the step's query tokens (each query its own selection and scan, the DSA model's
-convention); with ``V4Deployment.kv_read_once`` the bytes of the window rows, HCA entries and indexer keys are
-counted once per request and step (a kernel that serves a verification block's ``next_n`` queries from one
-read of the request's KV), FLOPs and the CSA selected rows still per query (an ASSUMPTION either way: both are
-reported). Parameters come from the V4 config's own tensor list (``weights.expected_shapes``): every tensor but
+Rows are summed over the step's query tokens (each query its own selection, the DSA model's convention); indexer
+keys are read once per request and step (the indexer scores every query of a verification block against each key
+it loads) and scored per query (FLOPs). With ``V4Deployment.kv_read_once`` the bytes of the window rows and HCA
+entries are counted once per request and step too (a kernel that serves a verification block's ``next_n`` queries
+from one read of the request's KV), FLOPs and the CSA selected rows still per query (an ASSUMPTION either way:
+both are reported). Parameters come from the V4 config's own tensor list (``weights.expected_shapes``): every tensor but
 the embedding table is a matmul weight read once per step; routed experts are read for the experts the step's
 tokens touch, ``E * (1 - (1 - k/E)^T)`` per MoE layer with ``T`` the instance's tokens. Compressors,
 indexer projections, mHC mixing and the hyper head are parameters too (in ``active_params``); the Sinkhorn
@@ -74,8 +75,8 @@ class V4Params:
 @dataclass(frozen=True)
 class V4Deployment:
     """``gpus`` the weights are sharded over; ``attn_tp`` GPUs one request's attention is split over (see the
-    module docstring); ``weight_bytes_per_param`` (FP8: 1.0); ``kv_read_once``: window rows, HCA entries and
-    indexer keys read once per request and step instead of once per query token."""
+    module docstring); ``weight_bytes_per_param`` (FP8: 1.0); ``kv_read_once``: window rows and HCA entries
+    read once per request and step instead of once per query token (indexer keys always are)."""
 
     gpus: int = 8
     attn_tp: int = 8
@@ -152,10 +153,8 @@ def v4_step_seconds(hw: HardwareSpec, costs: V4Costs, dep: V4Deployment, load: V
     gpu_tokens = int(load.query_lens.sum())
     instance_tokens = gpu_tokens * dep.kv_groups
     c = costs.cfg
-    if dep.kv_read_once:
-        kv_bytes = (n["selected"] + n["shared_rows"]) * costs.row_bytes + n["shared_keys"] * costs.index_key_bytes
-    else:
-        kv_bytes = rows * costs.row_bytes + keys * costs.index_key_bytes
+    kv_rows = n["selected"] + n["shared_rows"] if dep.kv_read_once else rows
+    kv_bytes = kv_rows * costs.row_bytes + n["shared_keys"] * costs.index_key_bytes  # keys: once per request
     hbm = (weight_bytes_read(costs, dep, instance_tokens) + kv_bytes) / hw.hbm_bytes_per_s
     flops = (2.0 * costs.params.active * instance_tokens / dep.gpus
              + c.num_attention_heads / dep.attn_tp * costs.attn_flops_per_head_row * rows

@@ -195,7 +195,8 @@ class Simulator:
         spec = self.serving.speculation
         return StepLoad(batch=len(batch), query_tokens=int(q.sum()),
                         attention_rows=float((q * torch.clamp(ctx, max=m.index_topk)).sum()) * m.num_layers,
-                        index_keys_scanned=float((q * ctx).sum()) * m.num_indexers, host_bytes=host_bytes,
+                        index_keys_scanned=float((q * ctx).sum()) * m.num_indexers,
+                        index_keys_read=float(ctx.sum()) * m.num_indexers, host_bytes=host_bytes,
                         draft_tokens=0 if spec is None else spec.gamma * len(batch), refill_bytes=refill_bytes)
 
     def step(self) -> tuple[StepOutcome, float]:

@@ -13,8 +13,9 @@ optional pages are asynchronous and only bound the step by the link's total busy
 
 - ``hbm_bytes``: weights read (dense part + the routed experts the step's tokens touch:
   ``E * (1 - (1 - k/E)^tokens)`` per MoE layer), the rows attention reads (each query its own selection,
-  ``min(index_topk, L)`` rows per layer), and the indexer keys scanned (``L`` keys per indexer layer per query).
-- ``flops``: ``2 * active_params`` per token, indexer ``2 * heads * dim`` per scanned key, attention
+  ``min(index_topk, L)`` rows per layer), and the indexer keys (``L`` keys per indexer layer, read once per
+  request and step: the indexer scores every query of a verification block against each key it loads).
+- ``flops``: ``2 * active_params`` per token, indexer ``2 * heads * dim`` per key and query, attention
   ``attn_flops_per_head_row * heads`` per selected row.
 - ``host_bytes``: rows fetched from host (resolver step 3); ``refill_bytes``: optional pages refilled (real bytes).
 
@@ -38,7 +39,8 @@ class StepLoad:
         batch: requests in the step.
         query_tokens: query tokens over the batch (``sum q_i``).
         attention_rows: rows read by attention over all layers and queries.
-        index_keys_scanned: indexer keys scored over all indexer layers and queries.
+        index_keys_scanned: indexer keys scored over all indexer layers and queries (FLOPs: per query).
+        index_keys_read: indexer keys loaded over all indexer layers (HBM bytes: once per request and step).
         host_bytes: bytes of rows fetched host→device by the resolver (on the step's critical path unless
             the index-group schedule hides them).
         draft_tokens: draft tokens proposed (0 without speculation).
@@ -49,6 +51,7 @@ class StepLoad:
     query_tokens: int
     attention_rows: float
     index_keys_scanned: float
+    index_keys_read: float
     host_bytes: float
     draft_tokens: int = 0
     refill_bytes: float = 0.0
@@ -65,13 +68,14 @@ def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
                         drafter: DrafterSpec | None = None) -> dict[str, float]:
     """Time of one real decode (or verification) step and its parts (seconds): ``host`` is the exposed
     fetch time, ``fetch`` all of it, ``link`` the host link's busy time (fetches + refills)."""
-    kv_bytes = load.attention_rows * model.row_bytes + load.index_keys_scanned * model.index_key_bytes
+    kv_bytes = load.attention_rows * model.row_bytes + load.index_keys_read * model.index_key_bytes
     hbm = (weight_bytes_read(model, load.query_tokens) + kv_bytes) / hw.hbm_bytes_per_s
     flops = (2.0 * model.active_params / model.gpus * load.query_tokens
              + 2.0 * model.index_heads * model.index_head_dim * load.index_keys_scanned / model.gpus
              + model.attn_flops_per_head_row * model.attn_heads * load.attention_rows)
-    return combine_step(hw, hbm, flops, load.host_bytes, load.refill_bytes, load.draft_tokens, model.num_layers,
-                        model.index_group_size, drafter)
+    parts = combine_step(hw, hbm, flops, load.host_bytes, load.refill_bytes, load.draft_tokens, model.num_layers,
+                         model.index_group_size, drafter)
+    return {**parts, "hbm": hbm, "flops_s": flops / (hw.flops_per_s * hw.mfu)}
 
 
 def combine_step(hw: HardwareSpec, hbm_s: float, flops: float, host_bytes: float, refill_bytes: float,

@@ -62,7 +62,8 @@ def validation_setup() -> tuple[HardwareSpec, ModelSpec]:
     hw = dataclasses.replace(RTX_PRO_6000, step_overhead_s=0.0)
     # one absolute anchor: the baseline's batch-1 step time (47.7 tok/s) sets the per-step overhead
     load = StepLoad(batch=1, query_tokens=1, attention_rows=float(model.index_topk * model.num_layers),
-                    index_keys_scanned=float(INPUT_TOKENS + OUTPUT_TOKENS // 2) * model.num_indexers, host_bytes=0.0)
+                    index_keys_scanned=float(INPUT_TOKENS + OUTPUT_TOKENS // 2) * model.num_indexers,
+                    index_keys_read=float(INPUT_TOKENS + OUTPUT_TOKENS // 2) * model.num_indexers, host_bytes=0.0)
     modelled = decode_step_seconds(hw, model, load)["total"]
     hw = dataclasses.replace(hw, step_overhead_s=max(0.0, 1.0 / BASELINE_TOK_S[0] - modelled))
     return hw, model

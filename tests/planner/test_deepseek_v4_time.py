@@ -32,13 +32,13 @@ def test_step_cost_by_hand():
     assert parts["rows"] == 58 and parts["keys"] == 20  # x 2 queries; keys: 10 entries x 2 queries
     # weights: instance tokens 2 x 2 = 4, experts touched 4 * (1 - (1/2)^4) = 3.75 per layer
     weights = (100 + 3 * 3.75 * 10) / 2
-    hbm = (weights + 58 * 10 + 20 * 4) / 1000.0
+    hbm = (weights + 58 * 10 + 10 * 4) / 1000.0  # keys: the 10 entries read once for both queries
     flops = 2 * 160 * 4 / 2 + 2 * 32 * 58 + 2 * 2 * 4 * 20
     assert parts["hbm"] == pytest.approx(hbm)
     assert parts["compute"] == pytest.approx(max(hbm, flops / 5000.0))
     # every CSA layer owns its indexer: the whole fetch (0.5 s) is on the critical path
     assert parts["total"] == pytest.approx(0.1 + flops / 5000.0 + 0.5)
-    # window + HCA rows (26) and keys (10) read once per request; the 3 x 2 selected rows still per query
+    # window + HCA rows (26) read once per request as well; the 3 x 2 selected rows still per query
     once = v4_step_seconds(hw, costs, V4Deployment(gpus=2, attn_tp=1, kv_read_once=True), load)
     assert once["hbm"] == pytest.approx((weights + (6 + 26) * 10 + 10 * 4) / 1000.0)
 

@@ -55,7 +55,7 @@ def test_step_rule_equals_the_group_schedule_summed_over_groups(fetch_s: float, 
 
 def _load(host_bytes: float, refill_bytes: float = 0.0) -> StepLoad:
     return StepLoad(batch=8, query_tokens=8, attention_rows=8 * 2048 * 78.0, index_keys_scanned=8 * 32768 * 20.0,
-                    host_bytes=host_bytes, refill_bytes=refill_bytes)
+                    index_keys_read=8 * 32768 * 20.0, host_bytes=host_bytes, refill_bytes=refill_bytes)
 
 
 def test_host_overlap_is_an_outcome_of_the_index_sharing_pattern() -> None:
