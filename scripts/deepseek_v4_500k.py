@@ -25,7 +25,7 @@ from dhisparse_planner.deepseek_v4_sim import V4Scale, V4Serving, simulate_v4
 from dhisparse_planner.deepseek_v4_time import V4Costs, V4Deployment, V4StepLoad, v4_step_seconds, weight_bytes_read
 from dhisparse_planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
 from dhisparse_planner.specs import DRAFTERS, H200
-from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.speculation import ACCEPTANCE, SpeculationModel
 
 GIB = 1 << 30
 PROMPT, OUTPUT = 500_000, 2048
@@ -33,7 +33,7 @@ CLIENTS = 512
 PAPER_RATIO = 1.85
 # the DSpark setting of the DeepSeek-V3.2 500K experiment (dhisparse_planner.paper.deepseek_500k): the engine's
 # load-aware shortening (dhisparse.defaults.DSPARK_BUSY_BATCH)
-SPEC = SpeculationModel(drafter="dspark", gamma=4)
+SPEC = SpeculationModel.for_drafter("dspark", gamma=ACCEPTANCE["dspark"].gamma)  # DSpark's block of 5
 SCALE = V4Scale(entry_scale=8, step_scale=32)
 # (reading, deployment, clients on one KV pool)
 READINGS = (

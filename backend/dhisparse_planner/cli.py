@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens-per-step", type=int, default=defaults.MAX_PREFILL_TOKENS_PER_STEP,
                    help="prompt tokens prefilled per engine step (the engine's max_prefill_tokens_per_step)")
     p.add_argument("--gamma", type=int, default=defaults.NUM_DRAFT_TOKENS, help="draft tokens per block")
-    p.add_argument("--accept-prob", type=float, default=0.75, help="per-token acceptance at 4K context")
+    p.add_argument("--accept-len-short", type=float, default=None,
+                   help="DFlash2: mean accepted tokens per step at <= 8K context (default: the published 6.0)")
+    p.add_argument("--accept-len-long", type=float, default=None,
+                   help="DFlash2: mean accepted tokens per step at 172K context (default: the published 2.65)")
     p.add_argument("--busy-batch", type=int, default=defaults.DSPARK_BUSY_BATCH,
                    help="DSpark shortens verification from this batch (the engine's dspark_busy_batch)")
     p.add_argument("--token-scale", type=int, default=64, help="g of the scale model (see docs/planner.md)")
@@ -87,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sensitivity-time-only", action="store_true",
                    help="with --sensitivity: only the constants that re-timing covers (no new simulations)")
     return p
+
+
+def speculation_of(args: argparse.Namespace) -> SpeculationModel:
+    """The speculation model of the CLI's flags (acceptance flags override DFlash2's published figures; a DSpark
+    config uses DSpark's own)."""
+    spec = SpeculationModel(gamma=args.gamma, busy_batch=args.busy_batch)
+    if args.accept_len_short is not None:
+        spec = spec.replace(accept_len_short=args.accept_len_short)
+    if args.accept_len_long is not None:
+        spec = spec.replace(accept_len_long=args.accept_len_long)
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                      reserve_bytes=args.reserve_gib * GIB, max_batch_size=args.max_batch_size,
                                      max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
                                      locality=dataclasses.replace(CALIBRATED, recent_fraction=args.recent_fraction)),
-            speculation=SpeculationModel(gamma=args.gamma, accept_prob=args.accept_prob, busy_batch=args.busy_batch),
+            speculation=speculation_of(args),
             scale=ScaleSpec(token_scale=args.token_scale, index_groups=args.index_groups), seed=args.seed)
     except ValueError as e:
         print(f"dhisparse-plan: {e}", file=sys.stderr)

@@ -87,9 +87,17 @@ CONSTANTS: tuple[Constant, ...] = (
              retime=False),
     Constant("draft pass overhead", "drafter", "pass_overhead_s", 0.002, 0.001, 0.005, "ms", 1e3,
              "no source (DFlash2 is one block-drafter forward; ASSUMED).", retime=True),
-    Constant("draft acceptance at 4K", "speculation", "accept_prob", 0.75, 0.6, 0.85, "", 1.0,
-             "no source for GLM-5.3 + DFlash2 in the fetched paper text; our demo drafters measure lower "
-             "(docs/demo_model.md): wide range.", retime=False, relative=False),
+    Constant("DFlash2 accepted tokens per step, <= 8K context", "speculation", "accept_len_short", 6.0, 2.9, 6.2,
+             "tokens", 1.0,
+             "block 8 (7 drafts + bonus) on GLM-5.3(-Flash): 6.00 of 8 at 512-8,192 tokens (Blaizzy/mlx-vlm PR #2074, "
+             "greedy, batch 1; nominal); 6.2 (74% per draft, tonyd2wild/GLM-5.3-Flash-NVFP4-DFlash2-2x-DGX-Spark "
+             "recipe) and 3.45 measured on the same recipe (issue #7: 34-36%); ~3.3 on prose and 2.89 in an agentic "
+             "loop (MiaAI-Lab/GLM-5.3-Flash-EXL3-2x-DGX-Sparks issues #142, #73).", retime=False, relative=False),
+    Constant("DFlash2 accepted tokens per step, 172K context", "speculation", "accept_len_long", 2.65, 2.1, 3.2,
+             "tokens", 1.0,
+             "block 8 at long context: 2.1-3.2 at 172K (the figures issue 28 cites; nominal the midpoint); 16% per "
+             "draft at 100K+ with k = 7, i.e. 2.1 per step (MiaAI-Lab/GLM-5.3-Flash-EXL3-2x-DGX-Sparks issue #73). "
+             "Between 8K and 172K linear in log(context).", retime=False, relative=False),
     Constant("locality overlap", "locality", "overlap", 0.8, 0.6, 0.95, "", 1.0,
              "calibrated: docs/results/calibration.csv (published shares + engine traces); these defaults are "
              "replaced by the fit.", retime=False, relative=False),

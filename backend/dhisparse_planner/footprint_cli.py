@@ -41,12 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def session_footprint(model: ModelSpec, context: int, output_tokens: int, policy: str, hot_rows: int,
-                      page_rows: int, drafter: str | None, gamma: int) -> dict[str, float | int | str]:
-    """Required / optional / speculative bytes of one session (real units)."""
+                      page_rows: int, drafter: str | None, gamma: int,
+                      ring_bytes: float | None = None) -> dict[str, float | int | str]:
+    """Required / optional / speculative bytes of one session (real units); ``ring_bytes`` replaces the drafter
+    preset's ring (another drafter shape)."""
     if context < 1 or output_tokens < 1 or gamma < 1:
         raise ValueError("--context, --output-tokens and --num-draft-tokens must be >= 1")
     query_len = gamma + 1 if drafter else 1
-    ring = DRAFTERS[drafter].ring_bytes if drafter else 0.0
+    ring = (DRAFTERS[drafter].ring_bytes if ring_bytes is None else ring_bytes) if drafter else 0.0
     kv = build_scaled_kv(model, ScaleSpec(), policy, 1e15, hot_rows, page_rows, 0, 0, query_len, ring)
     fp: Footprint = request_footprint(kv.real_layout, kv.real_config, context, output_tokens)
     optional_pages = kv.real_config.kv_policy.optional_prompt_pages(context, page_rows)

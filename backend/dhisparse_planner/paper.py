@@ -27,7 +27,7 @@ from dhisparse_planner.report import PlanGrid, label_uses_host, parse_config, re
 from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
 from dhisparse_planner.simulator import SimResult, simulate
 from dhisparse_planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, ModelSpec
-from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.speculation import ACCEPTANCE, SpeculationModel
 from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 CONFIGS = ("resident", "resident+dflash2", "hisparse", "adaptive", "adaptive+dflash2")
@@ -39,7 +39,7 @@ OVERLAPS = (0.6, 0.8, 0.95)
 PAPER_MAX_RUNNING_REQUESTS = 480
 PAPER_PREFILL_TOKENS_PER_STEP = 65536
 PAPER_HOT_ROWS = 4096
-PAPER_GAMMA = 4  # draft tokens per block of the paper-setup DFlash2 runs
+PAPER_GAMMA = ACCEPTANCE["dflash2"].gamma  # DFlash2's block of 8: 7 drafts + the bonus token (speculation.py)
 BASE = ServingSpec(hot_rows=PAPER_HOT_ROWS, max_batch_size=PAPER_MAX_RUNNING_REQUESTS,
                    max_prefill_tokens_per_step=PAPER_PREFILL_TOKENS_PER_STEP)
 SPEC = SpeculationModel(drafter="dflash2", gamma=PAPER_GAMMA)
@@ -146,9 +146,9 @@ def deepseek_500k(concurrency: int = 0, output_tokens: int = 2048, overlaps: tup
     """DeepSeek-V3.2 at 500K: the footprints (C512 does not fit any policy), then resident+dspark, hisparse and
     adaptive+dspark simulated at ``concurrency`` (0: the largest that adaptive admits at once)."""
     prompt = 500_000
-    fits = footprints(DSV32, prompt, output_tokens, SPEC.gamma)
+    spec = SpeculationModel.for_drafter("dspark", gamma=ACCEPTANCE["dspark"].gamma)  # DSpark's block of 5
+    fits = footprints(DSV32, prompt, output_tokens, spec.gamma)
     c = concurrency or int(next(r for r in fits if r["policy"] == "adaptive")["max_concurrency"])
-    spec = dataclasses.replace(SPEC, drafter="dspark")  # the engine's load-aware setting (dhisparse.defaults)
     rows: list[Row] = []
     for label in ("resident+dspark", "hisparse", "adaptive+dspark"):
         for overlap in overlaps if label_uses_host(label) else overlaps[:1]:

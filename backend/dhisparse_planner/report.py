@@ -69,7 +69,7 @@ def parse_config(label: str, base: ServingSpec, speculation: SpeculationModel, i
     same with and without a drafter: the rows of a verification step's union of selections that the hot cache
     cannot take go to verification staging (``index_topk`` is accepted for compatibility and unused)."""
     policy, _, drafter = label.partition("+")
-    spec = dataclasses.replace(speculation, drafter=drafter) if drafter else None
+    spec = speculation.with_drafter(drafter) if drafter else None
     return dataclasses.replace(base, policy=policy, speculation=spec)
 
 

@@ -249,17 +249,29 @@ DSV32 = ModelSpec(
             "B and indexer key 132 B as in sglang's DSA pool (PR #31992). ASSUMED: 11B dense params."),
 )
 
-# Ring sizes follow our drafters' structure (dhisparse.spec): a DFlash2 ring row is its per-position K/V, drafter
-# layers x 2 x hidden; a DSpark ring holds one target feature row (window 1), target layers read x hidden.
-_GLM_HIDDEN, _BF16 = 6144, 2
+# Drafter shapes from published checkpoints (ring = the drafter's visible window of KV, required memory per request).
+# DFlash2: five sliding-window draft layers over a 2,048-token window (lablup/mlxcel PR #1762: "five sliding-attention
+# layers ... |q - k| <= 2048"; memra-engine's DflashCfg: n_layer 5, n_kv 8, head_dim 128, sliding_window 2048), Qwen3
+# shaped with 8 KV heads x 128 (z-lab DFlash drafter configs: num_key_value_heads 8, head_dim 128), bf16, K and V:
+# 5 x 2,048 x 2 x 8 x 128 x 2 B = 40 MiB. Weights: incoai/GLM-5.3-Flash-DFlash2 is 2.34 GB in bf16
+# (tonyd2wild/GLM-5.3-Flash-NVFP4-DFlash2-2x-DGX-Spark issue #7), 1.17B parameters.
+DFLASH2_LAYERS, DFLASH2_WINDOW, DFLASH2_KV_DIM, _BF16 = 5, 2048, 8 * 128, 2
+DFLASH2_RING_BYTES = DFLASH2_LAYERS * DFLASH2_WINDOW * 2 * DFLASH2_KV_DIM * _BF16
+# DSpark (DeepSeek-V4): a 3-stage drafter (vllm-project/vllm issue #56797: dspark_block_size 5, 3 stages) whose
+# stages attend a 128-token sliding window (V4's sliding_window) of V4's single K=V latent row, 584 B in FP8
+# (FlashMLA's V4 layout, dhisparse_planner.deepseek_v4): 3 x 128 x 584 B = 219 KiB.
+DSPARK_STAGES, DSPARK_WINDOW, DSPARK_ROW_BYTES = 3, 128, 584
+DSPARK_RING_BYTES = DSPARK_STAGES * DSPARK_WINDOW * DSPARK_ROW_BYTES
 DRAFTERS = {
-    "dflash2": DrafterSpec("dflash2", weight_bytes=2e9, pass_overhead_s=0.002, flops_per_token=2 * 1e9,
-                           ring_bytes=64 * 2 * 2 * _GLM_HIDDEN * _BF16,
-                           source=("ASSUMED: 2 drafter layers at GLM-5's hidden size 6144 in bf16, window 64 (the "
-                                   "engine's DFlash2Config default): 64 x 2 x 2 x 6144 x 2 B = 3 MiB ring")),
+    "dflash2": DrafterSpec("dflash2", weight_bytes=2.34e9, pass_overhead_s=0.002, flops_per_token=2 * 1.17e9,
+                           ring_bytes=DFLASH2_RING_BYTES,
+                           source=("DFlash2 shape: 5 sliding-window layers, window 2,048, 8 KV heads x 128, bf16 "
+                                   "(40 MiB ring); 2.34 GB of weights (incoai/GLM-5.3-Flash-DFlash2). ASSUMED: "
+                                   "2 ms per draft pass")),
     "dspark": DrafterSpec("dspark", weight_bytes=1.5e9, pass_overhead_s=0.0015, flops_per_token=2 * 0.75e9,
-                          ring_bytes=1 * 2 * _GLM_HIDDEN * _BF16, confidence_head=True,
-                          source="ASSUMED: one feature row of 2 target layers x 6144 in bf16 (window 1): 24 KiB"),
+                          ring_bytes=DSPARK_RING_BYTES, confidence_head=True,
+                          source=("DSpark shape: 3 stages over a 128-token window of 584-byte FP8 rows (219 KiB "
+                                  "ring). ASSUMED: 1.5 GB of weights, 1.5 ms per draft pass")),
 }
 
 HARDWARE_PRESETS = {"h200": H200, "rtx-pro-6000": RTX_PRO_6000}

@@ -49,7 +49,7 @@ def test_flash_parameters_match_the_model_card():
 
 
 def _sim(policy: str, pool: float, clients: int = 5) -> dict[str, float]:
-    spec = SpeculationModel(drafter="dspark", gamma=4, busy_batch=2)
+    spec = SpeculationModel.for_drafter("dspark", gamma=4, busy_batch=2)
     return V4Sim(H200, DSV4_FLASH, V4Deployment(8, 1), V4Serving(policy, spec), clients, 131072, 96,
                  pool_bytes=pool, scale=V4Scale(entry_scale=8, step_scale=16)).run()
 
