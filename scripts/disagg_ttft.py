@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from dhisparse_planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
-from dhisparse_planner.paper import BASE, SCALE, SPEC
+from dhisparse_planner.paper import ADMISSION, BASE, SCALE, SPEC
 from dhisparse_planner.report import parse_config
 from dhisparse_planner.simulator import simulate
 from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
@@ -38,7 +38,7 @@ def main() -> None:
              "decode admission wait (s) | out tok/s per decode GPU | mean TPOT (ms) |", "|---" * 10 + "|"]
     for tokens in args.input_tokens:
         for label in args.configs:
-            base = parse_config(label, BASE, SPEC, GLM5_INDEXSHARE_NVFP4.index_topk)
+            base = parse_config(label, BASE, SPEC, ADMISSION)
             serving = dataclasses.replace(base, locality=dataclasses.replace(base.locality, overlap=args.overlap))
             workload = WorkloadSpec(tokens, 8192, concurrency=args.concurrency,
                                     num_requests=args.concurrency * args.requests_per_client, seed=0)

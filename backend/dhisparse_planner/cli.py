@@ -198,7 +198,7 @@ def run_sensitivity(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec
             if not affects(c, label):
                 continue
             spec = changed.speculation or grid.speculation
-            serving = dataclasses.replace(parse_config(label, grid.base_serving, spec, changed.model.index_topk),
+            serving = dataclasses.replace(parse_config(label, grid.base_serving, spec, grid.admission),
                                           locality=changed.locality)
             work = WorkloadSpec(grid.input_tokens, grid.output_tokens, concurrency=conc,
                                 num_requests=conc * grid.requests_per_client, seed=grid.seed)

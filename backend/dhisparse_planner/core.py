@@ -74,7 +74,8 @@ class EngineCore:
 
     def __init__(self, layout: KVLayout, config: KVConfig, max_batch_size: int, max_prefill_tokens_per_step: int,
                  positions: PositionsFn, prefill_tokens: Callable[[SimRequest], int] = lambda r: r.prompt_rows,
-                 on_release: Callable[[SimRequest], None] = lambda r: None) -> None:
+                 on_release: Callable[[SimRequest], None] = lambda r: None,
+                 gate: Callable[[SimRequest], bool] | None = None) -> None:
         self.kv = KVManager(layout, config, "cpu")
         self.layout, self.config = layout, config
         self.max_batch_size = max_batch_size
@@ -82,6 +83,7 @@ class EngineCore:
         self.positions = positions
         self.prefill_tokens = prefill_tokens
         self.on_release = on_release
+        self.gate = gate  # an admission rule besides the manager's (a baseline system's), None: the engine's only
         self.waiting: collections.deque[SimRequest] = collections.deque()
         self.running: list[SimRequest] = []
         self.layers = list(range(layout.num_layers))
@@ -110,7 +112,8 @@ class EngineCore:
             tokens = self.prefill_tokens(req)
             if prefilled and prefilled + tokens > self.max_prefill_tokens_per_step:
                 break
-            if not self.kv.try_admit(req.request_id, req.prompt_rows, req.max_tokens):
+            if (self.gate is not None and not self.gate(req)) or \
+                    not self.kv.try_admit(req.request_id, req.prompt_rows, req.max_tokens):
                 req.waited = True
                 out.refused = req.request_id
                 break

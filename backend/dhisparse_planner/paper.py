@@ -22,6 +22,7 @@ import dataclasses
 
 from dhisparse.kv import KVConfig
 from dhisparse.kv.footprint import request_footprint
+from dhisparse_planner.admission import TokenBudget
 from dhisparse_planner.locality import LocalityModel
 from dhisparse_planner.report import PlanGrid, label_uses_host, parse_config, recommend, run_grid, run_one
 from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
@@ -43,6 +44,10 @@ PAPER_GAMMA = ACCEPTANCE["dflash2"].gamma  # DFlash2's block of 8: 7 drafts + th
 BASE = ServingSpec(hot_rows=PAPER_HOT_ROWS, max_batch_size=PAPER_MAX_RUNNING_REQUESTS,
                    max_prefill_tokens_per_step=PAPER_PREFILL_TOKENS_PER_STEP)
 SPEC = SpeculationModel(drafter="dflash2", gamma=PAPER_GAMMA)
+# The HiSparse baseline is SGLang's HiSparse: it admits by SGLang's token budget (admission.py), with the reference
+# 8xH200 command's host_to_device_ratio of 8 (the PD decode command and sglang PR #33075 use 10).
+PAPER_HOST_TO_DEVICE_RATIO = 8.0
+ADMISSION = (("hisparse", TokenBudget(host_to_device_ratio=PAPER_HOST_TO_DEVICE_RATIO)),)
 SCALE = ScaleSpec(token_scale=64)
 GIB = 2.0**30
 Row = dict[str, float | str]
@@ -52,7 +57,7 @@ def glm_grid(input_tokens: int, concurrencies: tuple[int, ...], overlaps: tuple[
              configs: tuple[str, ...] = CONFIGS, locality: LocalityModel | None = None) -> PlanGrid:
     base = BASE if locality is None else dataclasses.replace(BASE, locality=locality)
     return PlanGrid(configs=configs, concurrencies=concurrencies, overlaps=overlaps, input_tokens=input_tokens,
-                    output_tokens=8192, base_serving=base, speculation=SPEC, scale=SCALE)
+                    output_tokens=8192, base_serving=base, speculation=SPEC, admission=ADMISSION, scale=SCALE)
 
 
 def glm_32k(concurrencies: tuple[int, ...] = (8, 16, 32, 64, 128), overlaps: tuple[float, ...] = OVERLAPS,
@@ -104,7 +109,8 @@ def load_step(overlaps: tuple[float, ...] = OVERLAPS, low: int = 4, high: int = 
     total = 2 * low + high
     for policy in ("hisparse", "adaptive"):
         for overlap in overlaps:
-            serving = dataclasses.replace(BASE, policy=policy, locality=dataclasses.replace(locality, overlap=overlap))
+            serving = dataclasses.replace(parse_config(policy, BASE, SPEC, ADMISSION),
+                                          locality=dataclasses.replace(locality, overlap=overlap))
             work = WorkloadSpec(32768, 8192, concurrency=low, num_requests=total,
                                 concurrency_schedule=((up_s, high), (down_s, low)))
             res = simulate(H200, GLM5_INDEXSHARE_NVFP4, serving, work, SCALE)
@@ -152,7 +158,7 @@ def deepseek_500k(concurrency: int = 0, output_tokens: int = 2048, overlaps: tup
     rows: list[Row] = []
     for label in ("resident+dspark", "hisparse", "adaptive+dspark"):
         for overlap in overlaps if label_uses_host(label) else overlaps[:1]:
-            serving = dataclasses.replace(parse_config(label, BASE, spec, DSV32.index_topk),
+            serving = dataclasses.replace(parse_config(label, BASE, spec, ADMISSION),
                                           locality=dataclasses.replace(locality, overlap=overlap))
             work = WorkloadSpec(prompt, output_tokens, concurrency=c, num_requests=c)
             row, _ = run_one(H200, DSV32, serving, work, SCALE)

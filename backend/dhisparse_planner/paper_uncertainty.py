@@ -20,7 +20,7 @@ from dhisparse_planner.batch import Job, run_job
 from dhisparse_planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
 from dhisparse_planner.constants import BY_NAME, Constant, Setup, affects
 from dhisparse_planner.locality import LocalityModel
-from dhisparse_planner.paper import BASE, SCALE, SPEC
+from dhisparse_planner.paper import ADMISSION, BASE, SCALE, SPEC
 from dhisparse_planner.report import parse_config, recommend
 from dhisparse_planner.simulator import SimResult, simulate
 from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
@@ -91,7 +91,7 @@ def headline_claims(rows: list[Row]) -> dict[str, float]:
 def paper_shares(policy: str, locality: LocalityModel) -> dict[str, float]:
     """Resolution shares of one 32K/8K request without speculation in the paper setup (low load: at low load a
     request's resolution does not depend on the others')."""
-    serving = dataclasses.replace(BASE, policy=policy, locality=locality)
+    serving = dataclasses.replace(parse_config(policy, BASE, SPEC, ADMISSION), locality=locality)
     res = simulate(H200, GLM5_INDEXSHARE_NVFP4, serving, WorkloadSpec(32768, 8192, concurrency=1, num_requests=1),
                    SCALE)
     return res.summary()
@@ -177,7 +177,7 @@ def make_rerun(base: dict[Key, SimResult], by_overlap: dict[float, dict[Key, Sim
 def rerun_job(setup: Setup, label: str, conc: int) -> Job:
     """The re-simulation of headline point ``(label, conc)`` (100K labels end in ``@100K``) under ``setup``."""
     name, long = label.removesuffix(LONG), label.endswith(LONG)
-    serving = dataclasses.replace(parse_config(name, BASE, setup.speculation or SPEC, setup.model.index_topk),
+    serving = dataclasses.replace(parse_config(name, BASE, setup.speculation or SPEC, ADMISSION),
                                   locality=setup.locality)
     work = WorkloadSpec(102400 if long else 32768, 8192, concurrency=conc, num_requests=conc)
     return Job(setup.hw, setup.model, serving, work, SCALE)

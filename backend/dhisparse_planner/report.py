@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dhisparse.kv.policies import KV_POLICIES, policy_named
+from dhisparse_planner.admission import TokenBudget
 from dhisparse_planner.scale import ScaleSpec
 from dhisparse_planner.simulator import AHEAD_WALL_S, SimResult, simulate
 from dhisparse_planner.specs import HardwareSpec, ModelSpec
@@ -40,6 +41,8 @@ class PlanGrid:
         requests_per_client: requests per run = ``concurrency x requests_per_client``.
         base_serving: knobs shared by every config (policy and speculation are replaced per config).
         speculation: the drafter model used by ``+drafter`` configs (its ``drafter`` is replaced by the label's).
+        admission: ``(policy, rule)`` pairs: the admission rule a policy's baseline follows (see
+            :func:`parse_config`).
         scale: the scale model.
         seed: RNG seed of every run.
     """
@@ -52,6 +55,7 @@ class PlanGrid:
     requests_per_client: int = 1
     base_serving: ServingSpec = ServingSpec()
     speculation: SpeculationModel = SpeculationModel()
+    admission: tuple[tuple[str, TokenBudget], ...] = ()
     scale: ScaleSpec = ScaleSpec(token_scale=64)
     seed: int = 0
 
@@ -61,16 +65,19 @@ class PlanGrid:
         if min(self.concurrencies) < 1 or self.requests_per_client < 1:
             raise ValueError("concurrencies and requests_per_client must be >= 1")
         for label in self.configs:
-            parse_config(label, self.base_serving, self.speculation)
+            parse_config(label, self.base_serving, self.speculation, self.admission)
 
 
-def parse_config(label: str, base: ServingSpec, speculation: SpeculationModel, index_topk: int = 0) -> ServingSpec:
+def parse_config(label: str, base: ServingSpec, speculation: SpeculationModel,
+                 admission: tuple[tuple[str, TokenBudget], ...] = ()) -> ServingSpec:
     """``policy[+drafter]`` -> a :class:`ServingSpec` (ValueError on an unknown policy or drafter). ``B`` is the
     same with and without a drafter: the rows of a verification step's union of selections that the hot cache
-    cannot take go to verification staging (``index_topk`` is accepted for compatibility and unused)."""
+    cannot take go to verification staging. ``admission`` pairs a policy with the admission rule of the system a
+    baseline of that policy stands for (the paper's HiSparse is SGLang's: :mod:`dhisparse_planner.admission`)."""
     policy, _, drafter = label.partition("+")
     spec = speculation.with_drafter(drafter) if drafter else None
-    return dataclasses.replace(base, policy=policy, speculation=spec)
+    rule = dict(admission).get(policy, base.admission)
+    return dataclasses.replace(base, policy=policy, speculation=spec, admission=rule)
 
 
 def uses_locality(serving: ServingSpec) -> bool:
@@ -114,7 +121,7 @@ def grid_points(grid: PlanGrid, model: ModelSpec) -> Iterator[tuple[str, int, fl
     """Every grid point in table order: ``(label, concurrency, overlap, serving, workload, new)``; ``new`` is False
     where the point's run is the previous one's (``resident`` does not depend on the overlap)."""
     for label in grid.configs:
-        base = parse_config(label, grid.base_serving, grid.speculation, model.index_topk)
+        base = parse_config(label, grid.base_serving, grid.speculation, grid.admission)
         for c in grid.concurrencies:
             workload = WorkloadSpec(grid.input_tokens, grid.output_tokens, concurrency=c,
                                     num_requests=c * grid.requests_per_client, seed=grid.seed)

@@ -113,10 +113,13 @@ class Simulator:
         self.selector = SyntheticSelector(serving.locality, self.kvs.layout.index_topk, groups, g, workload.seed)
         self.gen = torch.Generator().manual_seed(workload.seed + 1)
         # one simulated step stands for g real ones, so it may prefill what g real steps may (the scale model)
+        self.logical_tokens = (serving.admission.logical_tokens(model, pool) if serving.admission is not None
+                               else None)
         self.core = EngineCore(self.kvs.layout, self.kvs.config, serving.max_batch_size,
                                serving.max_prefill_tokens_per_step * g, self._positions,
                                prefill_tokens=lambda r: r.prompt_tokens,  # type: ignore[attr-defined]
-                               on_release=self._released)
+                               on_release=self._released,
+                               gate=self._token_budget_admits if serving.admission is not None else None)
         self.check_every = check_invariants_every
         self.clock = 0.0
         self.issued = 0
@@ -156,6 +159,16 @@ class Simulator:
             return self.arrivals[0] if self.arrivals else None
         later = [s for s, c in w.concurrency_schedule if s > self.clock and c > 0]
         return min(later) if later and self.issued < w.total_requests else None
+
+    def _real_generated(self, req: SimRequest) -> int:
+        return 0 if req.generated < 1 else min(self.workload.output_tokens, 1 + (req.generated - 1) * self.g)
+
+    def _token_budget_admits(self, req: SimRequest) -> bool:
+        """The baseline's own admission rule (``serving.admission``), in real tokens."""
+        rule, out = self.serving.admission, self.workload.output_tokens
+        assert rule is not None and self.logical_tokens is not None
+        running = [(r.prompt_tokens, self._real_generated(r), out) for r in self.core.running]  # type: ignore[attr-defined]
+        return rule.admits(running, req.prompt_tokens, out, self.logical_tokens)  # type: ignore[attr-defined]
 
     def _released(self, req: SimRequest) -> None:
         self._finished_now.append(req)

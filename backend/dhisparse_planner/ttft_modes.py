@@ -21,7 +21,7 @@ from pathlib import Path
 from dhisparse_planner.batch import Job, run_job
 from dhisparse_planner.disaggregated import DisaggregationSpec
 from dhisparse_planner.locality import LocalityModel
-from dhisparse_planner.paper import BASE, SCALE, SPEC
+from dhisparse_planner.paper import ADMISSION, BASE, SCALE, SPEC
 from dhisparse_planner.report import markdown_table, parse_config
 from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
 from dhisparse_planner.workload import WorkloadSpec
@@ -44,7 +44,7 @@ def jobs(locality: LocalityModel, inputs: Sequence[int], concurrency: int,
     out = []
     for tokens in inputs:
         for label in configs(tokens):
-            serving = dataclasses.replace(parse_config(label, BASE, SPEC, model.index_topk), locality=locality)
+            serving = dataclasses.replace(parse_config(label, BASE, SPEC, ADMISSION), locality=locality)
             work = WorkloadSpec(tokens, 8192, concurrency=concurrency, num_requests=concurrency)  # the grid's
             out += [Job(H200, model, serving, work, SCALE), Job(H200, model, serving, work, SCALE, disaggregation=link)]
     return out

@@ -8,6 +8,7 @@ import torch
 
 from dhisparse import defaults
 from dhisparse.kv.policies import KV_POLICIES, policy_named
+from dhisparse_planner.admission import TokenBudget
 from dhisparse_planner.locality import LocalityModel
 from dhisparse_planner.speculation import SpeculationModel
 
@@ -76,6 +77,8 @@ class ServingSpec:
         max_prefill_tokens_per_step: the engine's prefill cap per step (tokens).
         speculation: acceptance/shortening model, or None.
         locality: the selection model.
+        admission: an admission rule besides the KV manager's (None: the engine's own; a
+            :class:`~dhisparse_planner.admission.TokenBudget` for SGLang's HiSparse baseline).
     """
 
     policy: str = defaults.KV_POLICY
@@ -87,6 +90,7 @@ class ServingSpec:
     max_prefill_tokens_per_step: int = defaults.MAX_PREFILL_TOKENS_PER_STEP
     speculation: SpeculationModel | None = None
     locality: LocalityModel = LocalityModel()
+    admission: TokenBudget | None = None
 
     def __post_init__(self) -> None:
         policy_named(self.policy, "ServingSpec.policy", KV_POLICIES)  # ConfigError is a ValueError

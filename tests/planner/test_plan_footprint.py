@@ -42,6 +42,6 @@ def test_speculation_adds_exactly_ring_plus_staging(model, gamma) -> None:
 
 def test_a_drafter_no_longer_enlarges_the_hot_cache() -> None:
     base = ServingSpec(hot_rows=4096)
-    spec = parse_config("adaptive+dflash2", base, SpeculationModel(gamma=7), 2048)
+    spec = parse_config("adaptive+dflash2", base, SpeculationModel(gamma=7))
     assert spec.hot_rows == 4096 and spec.hot_rows_for(2048) == 4096
     assert ServingSpec().hot_rows_for(2048) == 2048  # default B = index_topk

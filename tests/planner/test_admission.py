@@ -1,0 +1,48 @@
+"""SGLang HiSparse's token-budget admission for the HiSparse baseline (issue 28, point 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dhisparse_planner import paper
+from dhisparse_planner.admission import TokenBudget
+from dhisparse_planner.report import parse_config
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.simulator import Simulator
+from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
+from dhisparse_planner.workload import WorkloadSpec
+
+
+def test_the_rule_counts_lengths_clipped_reservations_and_the_new_request() -> None:
+    rule = TokenBudget(host_to_device_ratio=2, new_token_ratio=0.5, clip_max_new_tokens=100)
+    running = [(1000, 10, 500), (2000, 400, 500)]  # used 3410; reserve min(490, 100) + min(100, 100) = 200 x 0.5
+    need = 3410 + 100 + 800 + 100  # the new request: prompt 800 + min(500, 100)
+    assert rule.admits(running, 800, 500, need)
+    assert not rule.admits(running, 800, 500, need - 1)
+    m = GLM5_INDEXSHARE_NVFP4
+    per_token = m.num_layers * m.row_bytes + 2 * m.num_indexers * m.index_key_bytes
+    assert rule.device_tokens(m, 1e9) == pytest.approx(1e9 / per_token)
+    assert rule.logical_tokens(m, 1e9) == pytest.approx(2e9 / per_token)
+    host = 1e9  # rows of every layer per token on host: the smaller budget wins
+    assert rule.logical_tokens(m, 1e9, host) == pytest.approx(host / (m.num_layers * m.row_bytes))
+    with pytest.raises(ValueError, match="host_to_device_ratio"):
+        TokenBudget(host_to_device_ratio=0.5)
+
+
+def test_the_hisparse_baseline_runs_no_more_than_its_budget_allows() -> None:
+    """At 100K the reference ratio's logical pool holds ~85 sessions: a C128 hisparse run never runs more, while
+    the same run under the engine's own rule (memory) admits all 128; adaptive is not subject to it."""
+    work = WorkloadSpec(102400, 256, concurrency=128, num_requests=128)
+    scale = ScaleSpec(token_scale=64)
+    sgl = parse_config("hisparse", paper.BASE, paper.SPEC, paper.ADMISSION)
+    own = dataclasses.replace(sgl, admission=None)
+    assert parse_config("adaptive", paper.BASE, paper.SPEC, paper.ADMISSION).admission is None
+    capped = Simulator(H200, GLM5_INDEXSHARE_NVFP4, sgl, work, scale)
+    cap = capped.logical_tokens / (102400 + 4096 * 0.098)
+    a = capped.run()
+    b = Simulator(H200, GLM5_INDEXSHARE_NVFP4, own, work, scale).run()
+    assert b.max_batch == 128
+    assert 60 <= a.max_batch <= cap < 128
+    assert a.summary()["admissions_waited"] > 0
