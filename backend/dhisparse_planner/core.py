@@ -43,6 +43,7 @@ class SimRequest:
     first_token_s: float | None = None
     finish_s: float | None = None
     waited: bool = False
+    wait_reasons: set[str] = field(default_factory=set)  # what refused it: "device", "host" or "budget"
 
     @property
     def kv_length(self) -> int:
@@ -112,9 +113,15 @@ class EngineCore:
             tokens = self.prefill_tokens(req)
             if prefilled and prefilled + tokens > self.max_prefill_tokens_per_step:
                 break
-            if (self.gate is not None and not self.gate(req)) or \
-                    not self.kv.try_admit(req.request_id, req.prompt_rows, req.max_tokens):
+            reason = None
+            if self.gate is not None and not self.gate(req):
+                reason = "budget"
+            elif not self.kv.try_admit(req.request_id, req.prompt_rows, req.max_tokens):
+                short = self.kv.host.free_pages < self.kv.host_pages_needed(req.prompt_rows, req.max_tokens)
+                reason = "host" if short else "device"
+            if reason is not None:
                 req.waited = True
+                req.wait_reasons.add(reason)
                 out.refused = req.request_id
                 break
             self.waiting.popleft()

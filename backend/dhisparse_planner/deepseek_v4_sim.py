@@ -102,6 +102,7 @@ class V4Sim:
             raise ValueError(f"clients must be >= 1 and output_tokens >= 2, got {clients}, {output_tokens}")
         spec = serving.speculation
         self.hw, self.cfg, self.dep, self.serving, self.scale = hw, cfg, dep, serving, scale
+        self.policy = serving.kv_policy
         self.drafter = DRAFTERS[spec.drafter] if spec is not None else None
         self.costs = V4Costs.of(cfg, FP8_ROW_BYTES, FP8_INDEX_KEY_BYTES)
         self.pool = float(pool_bytes if pool_bytes is not None else kv_pool_bytes(hw, spec.drafter if spec else None))
@@ -110,13 +111,16 @@ class V4Sim:
                                    page_rows=serving.page_rows, pool_bytes=self.pool, max_query_len=q_max,
                                    draft_ring_bytes=int(self.drafter.ring_bytes) if self.drafter else 0)
         self.required = self.split["required_bytes"]
+        # the host store of this pool's rank holds every host-backed request's CSA entries (prompt + output)
+        self.host_need = self.split["all_csa_entries_bytes"] if self.policy.uses_host else 0.0
+        self.host_bytes = hw.host_bytes_per_gpu
+        self.host_waits = 0
         self.rate, self.n_csa = cfg.compress_rate_csa, len(cfg.csa_layers)
         self.prompt, self.output, self.n = prompt_tokens, output_tokens, clients
         entries = prompt_tokens // self.rate
         self.complete_entries = entries // serving.page_rows * serving.page_rows  # optional candidates / host
         self.page_bytes = serving.page_rows * FP8_ROW_BYTES  # one CSA layer's page
         rows = (prompt_tokens + output_tokens) // self.rate // ge + 3 + q_max  # + a zero sink column
-        self.policy = serving.kv_policy
         self.last_used = torch.zeros(clients if self.policy.hot_cache else 1, rows, dtype=torch.int32)
         self.selector = SyntheticSelector(serving.locality, cfg.index_topk // ge, 1, self.rate * ge, seed)
         self.gen = torch.Generator().manual_seed(seed + 1)
@@ -142,6 +146,9 @@ class V4Sim:
     def _admit(self) -> None:
         while bool((self.status == WAITING).any()):
             if self.pool - self._required_in_use() < self.required:
+                return
+            if self.host_need * (float((self.status == RUNNING).sum()) + 1) > self.host_bytes:
+                self.host_waits += 1  # the host store is full: wait for a release (the manager's rule)
                 return
             i = int(torch.nonzero(self.status == WAITING)[0])
             self._reclaim(self.pool - self._required_in_use() - self.required)
@@ -259,6 +266,9 @@ class V4Sim:
         if self.required > self.pool:
             raise ValueError(f"{self.serving.label}: one request needs {self.required / 2**30:.2f} GiB, the pool "
                              f"is {self.pool / 2**30:.2f} GiB")
+        if self.host_need > self.host_bytes:
+            raise ValueError(f"{self.serving.label}: one request needs {self.host_need / 2**30:.2f} GiB of host "
+                             f"store, the rank has {self.host_bytes / 2**30:.2f} GiB")
         while bool((self.status != DONE).any()) and len(self.steps) < max_steps:
             self.step()
         tp = self.dep.attn_tp
@@ -276,7 +286,7 @@ class V4Sim:
             "direct_share": self.rows["direct"] / sel if sel else 0.0,
             "mean_step_s": sum(t for _, t, _ in self.steps) / len(self.steps),
             "sim_steps": float(len(self.steps)), "reclaimed_pages": self.reclaimed_pages,
-            "fetch_s": self.fetch_s,
+            "fetch_s": self.fetch_s, "host_waits": float(self.host_waits),
         }
 
 

@@ -83,10 +83,18 @@ def _layout(num_layers: int, group: int, row_bytes: int, key_dim: int, topk: int
                     index_groups=groups)
 
 
+UNBOUNDED_HOST_BYTES = 1 << 60  # a host store no workload fills (never the machine the planner runs on)
+
+
 def build_scaled_kv(model: ModelSpec, scale: ScaleSpec, policy: str, pool_bytes: float, hot_rows: int,
                     page_rows: int, reserve_bytes: float, refill_pages_per_step: int,
-                    max_query_len: int, draft_ring_bytes: float = 0.0) -> ScaledKV:
+                    max_query_len: int, draft_ring_bytes: float = 0.0,
+                    host_bytes: float = UNBOUNDED_HOST_BYTES) -> ScaledKV:
     """Build the simulated and real KV layouts/configs (all byte and row arguments are *real* values).
+
+    ``host_bytes`` is the simulated machine's host store per rank (``HardwareSpec.host_bytes_per_gpu``); it is
+    scaled like every other byte (the simulated store holds ``host_bytes / F``), never taken from the machine the
+    planner runs on.
 
     ``hot_rows`` 0 means ``index_topk``. Speculative state: the draft ring (``draft_ring_bytes`` per request) is
     charged ``1 / F`` in the simulation; verification staging is one staging for all of a GPU's index groups, so
@@ -120,13 +128,15 @@ def build_scaled_kv(model: ModelSpec, scale: ScaleSpec, policy: str, pool_bytes:
     layout = _layout(sim_layers, model.index_group_size, model.row_bytes, key_dim, model.index_topk // g)
     real_config = KVConfig(policy=policy, pool_bytes=int(pool_bytes), hot_rows=hot_rows, page_rows=page_rows,
                            reserve_bytes=int(reserve_bytes), refill_pages_per_step=refill_pages_per_step,
-                           max_query_len=max_query_len, draft_ring_bytes=int(draft_ring_bytes))
+                           max_query_len=max_query_len, draft_ring_bytes=int(draft_ring_bytes),
+                           host_bytes=int(host_bytes))
     # a simulated page is S_r / S_s real pages; a simulated step is g real steps
     refill = 0 if refill_pages_per_step == 0 else max(1, round(refill_pages_per_step * g / source_factor))
     config = KVConfig(policy=policy, pool_bytes=int(pool_bytes / byte_factor), hot_rows=hot_rows // g,
                       page_rows=page_rows // g, reserve_bytes=int(reserve_bytes / byte_factor),
                       refill_pages_per_step=refill, max_query_len=max_query_len,
-                      draft_ring_bytes=round(draft_ring_bytes / byte_factor), staging_share=1.0 / source_factor)
+                      draft_ring_bytes=round(draft_ring_bytes / byte_factor), staging_share=1.0 / source_factor,
+                      host_bytes=max(1, int(host_bytes / byte_factor)))
     config.validate_for(layout)
     real_config.validate_for(real_layout)
     return ScaledKV(layout, config, real_layout, real_config, byte_factor, source_factor, g)

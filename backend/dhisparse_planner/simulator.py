@@ -84,6 +84,9 @@ class SimResult:
             "max_batch": float(self.max_batch),
             "requests_done": float(len(done)),
             "admissions_waited": float(sum(r.waited for r in self.requests)),
+            # what refused them (a request may wait for several): device memory, host store, a token budget
+            **{f"waited_for_{why}": float(sum(why in r.wait_reasons for r in self.requests))
+               for why in ("device", "host", "budget")},
             "reclaim_events": c["reclaim_events"],
             "makespan_s": self.makespan_s,
             "sim_steps": float(self.sim_steps),
@@ -106,15 +109,16 @@ class Simulator:
                                              serving.hot_rows_for(model.index_topk), serving.page_rows,
                                              serving.reserve_bytes, serving.refill_pages_per_step,
                                              serving.max_query_len,
-                                             drafter.ring_bytes if (drafter and spec) else 0.0)
+                                             drafter.ring_bytes if (drafter and spec) else 0.0,
+                                             host_bytes=hw.host_bytes_per_gpu)
         g = self.kvs.token_scale
         self.g = g
         groups = -(-self.kvs.layout.num_layers // model.index_group_size)
         self.selector = SyntheticSelector(serving.locality, self.kvs.layout.index_topk, groups, g, workload.seed)
         self.gen = torch.Generator().manual_seed(workload.seed + 1)
         # one simulated step stands for g real ones, so it may prefill what g real steps may (the scale model)
-        self.logical_tokens = (serving.admission.logical_tokens(model, pool) if serving.admission is not None
-                               else None)
+        self.logical_tokens = (serving.admission.logical_tokens(model, pool, hw.host_bytes_per_gpu)
+                               if serving.admission is not None else None)
         self.core = EngineCore(self.kvs.layout, self.kvs.config, serving.max_batch_size,
                                serving.max_prefill_tokens_per_step * g, self._positions,
                                prefill_tokens=lambda r: r.prompt_tokens,  # type: ignore[attr-defined]

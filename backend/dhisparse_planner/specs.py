@@ -31,6 +31,8 @@ class HardwareSpec:
         step_overhead_s: fixed time per decode step: launches, collectives, sampling, scheduling (s).
         prefetch_efficiency: fraction of the host-fetch time that the index-group schedule *could* hide which a
             real implementation does hide (copies contend with attention for SMs and HBM); see overlap.py.
+        host_bytes_per_gpu: host memory for the KV host store of one GPU rank (bytes; default: an 8-GPU H200
+            server's 2 TiB over its 8 GPUs).
         source: where the figures come from.
     """
 
@@ -42,10 +44,12 @@ class HardwareSpec:
     mfu: float = 0.4
     step_overhead_s: float = 0.012
     prefetch_efficiency: float = 0.93
+    host_bytes_per_gpu: float = 2.0 * 2**40 / 8
     source: str = ""
 
     def __post_init__(self) -> None:
-        _positive(self, "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "flops_per_s", "mfu")
+        _positive(self, "hbm_bytes", "hbm_bytes_per_s", "host_link_bytes_per_s", "flops_per_s", "mfu",
+                  "host_bytes_per_gpu")
         if not 0.0 <= self.prefetch_efficiency <= 1.0:
             raise ValueError(f"HardwareSpec.prefetch_efficiency must be in [0, 1], got "
                              f"{self.prefetch_efficiency}")
@@ -179,7 +183,9 @@ H200 = HardwareSpec(
     source=("NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s, FP8 1,979 TFLOPS dense (3,958 with "
             "sparsity); host link PCIe Gen5 x16 (64 GB/s per direction nominal). ASSUMED: 25 GB/s effective for "
             "scattered 656-byte row gathers, step overhead 12 ms (TP8 collectives + launches), mfu 0.4; prefetch "
-            "efficiency 0.93 (sglang PR #29637). Ranges and sources: dhisparse_planner.constants."),
+            "efficiency 0.93 (sglang PR #29637). Host memory 2 TB per 8-GPU server (MLCommons inference v4.1, "
+            "NVIDIA H200-SXM-141GBx8: host_memory_capacity 2 TB, 32x 64 GB): 256 GiB per GPU rank. Ranges and "
+            "sources: dhisparse_planner.constants."),
 )
 
 RTX_PRO_6000 = HardwareSpec(
@@ -189,8 +195,8 @@ RTX_PRO_6000 = HardwareSpec(
     host_link_bytes_per_s=20e9,
     flops_per_s=1000e12,
     source=("NVIDIA RTX PRO 6000 Blackwell Server Edition: 96 GB GDDR7, 1.792 TB/s, PCIe Gen5 x16. ASSUMED: "
-            "~1 PFLOPS FP8 dense, 20 GB/s effective row-gather host bandwidth; step overhead is fitted (see "
-            "docs/planner.md, HiSparse validation)."),
+            "~1 PFLOPS FP8 dense, 20 GB/s effective row-gather host bandwidth, 256 GiB host memory per GPU; step "
+            "overhead is fitted (see docs/planner.md, HiSparse validation)."),
 )
 
 GLM5 = ModelSpec(

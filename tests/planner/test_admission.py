@@ -39,10 +39,30 @@ def test_the_hisparse_baseline_runs_no_more_than_its_budget_allows() -> None:
     sgl = parse_config("hisparse", paper.BASE, paper.SPEC, paper.ADMISSION)
     own = dataclasses.replace(sgl, admission=None)
     assert parse_config("adaptive", paper.BASE, paper.SPEC, paper.ADMISSION).admission is None
-    capped = Simulator(H200, GLM5_INDEXSHARE_NVFP4, sgl, work, scale)
+    roomy = dataclasses.replace(H200, host_bytes_per_gpu=1e15)  # the host store does not bind here
+    capped = Simulator(roomy, GLM5_INDEXSHARE_NVFP4, sgl, work, scale)
     cap = capped.logical_tokens / (102400 + 4096 * 0.098)
     a = capped.run()
-    b = Simulator(H200, GLM5_INDEXSHARE_NVFP4, own, work, scale).run()
+    b = Simulator(roomy, GLM5_INDEXSHARE_NVFP4, own, work, scale).run()
     assert b.max_batch == 128
     assert 60 <= a.max_batch <= cap < 128
     assert a.summary()["admissions_waited"] > 0
+
+
+def test_host_capacity_is_the_simulated_machines_and_binds_when_histories_outgrow_it() -> None:
+    """The host store holds the simulated rank's host memory (never the planner machine's); with room for 10
+    32K+256 histories a C16 hisparse run waits for host pages and never runs more than 10 at once (issue 28,
+    point 8)."""
+    m = GLM5_INDEXSHARE_NVFP4
+    per_request = m.num_layers * m.row_bytes * (32768 + 256)  # rows of every layer, whole pages
+    hw = dataclasses.replace(H200, host_bytes_per_gpu=10.5 * per_request)
+    serving = dataclasses.replace(paper.BASE, policy="hisparse")
+    work = WorkloadSpec(32768, 256, concurrency=16, num_requests=16)
+    sim = Simulator(hw, m, serving, work, ScaleSpec(token_scale=64))
+    assert sim.kvs.config.host_bytes * sim.kvs.byte_factor == pytest.approx(hw.host_bytes_per_gpu, rel=1e-6)
+    res = sim.run()
+    assert res.max_batch == 10
+    s = res.summary()
+    assert s["waited_for_host"] > 0 and s["waited_for_device"] == 0 and s["requests_done"] == 16
+    roomy = Simulator(H200, m, serving, work, ScaleSpec(token_scale=64)).run()
+    assert roomy.max_batch == 16 and roomy.summary()["waited_for_host"] == 0
