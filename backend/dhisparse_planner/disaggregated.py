@@ -74,7 +74,7 @@ class DisaggregatedSimulator(Simulator):
         else:
             alive = len(self.core.waiting) + len(self.core.running) + len(self._in_flight)
             while alive < w.clients_at(self.clock) and self.issued < w.total_requests:
-                self._new_request(self.clock)
+                self._new_request(self.times.arrival(self.clock))
                 alive += 1
         while self._in_flight and self._in_flight[0][0] <= self.clock:
             self.core.waiting.append(heapq.heappop(self._in_flight)[2])

@@ -47,6 +47,9 @@ SPEC = SpeculationModel(drafter="dflash2", gamma=PAPER_GAMMA)
 # The HiSparse baseline is SGLang's HiSparse: it admits by SGLang's token budget (admission.py), with the reference
 # 8xH200 command's host_to_device_ratio of 8 (the PD decode command and sglang PR #33075 use 10).
 PAPER_HOST_TO_DEVICE_RATIO = 8.0
+# Closed-loop clients send this many requests each (waves): claims read the steady state between the first completion
+# and the last issue (metrics.py), TTFT including the wait for admission.
+PAPER_REQUESTS_PER_CLIENT = 2
 ADMISSION = (("hisparse", TokenBudget(host_to_device_ratio=PAPER_HOST_TO_DEVICE_RATIO)),)
 SCALE = ScaleSpec(token_scale=64)
 GIB = 2.0**30
@@ -57,7 +60,8 @@ def glm_grid(input_tokens: int, concurrencies: tuple[int, ...], overlaps: tuple[
              configs: tuple[str, ...] = CONFIGS, locality: LocalityModel | None = None) -> PlanGrid:
     base = BASE if locality is None else dataclasses.replace(BASE, locality=locality)
     return PlanGrid(configs=configs, concurrencies=concurrencies, overlaps=overlaps, input_tokens=input_tokens,
-                    output_tokens=8192, base_serving=base, speculation=SPEC, admission=ADMISSION, scale=SCALE)
+                    output_tokens=8192, requests_per_client=PAPER_REQUESTS_PER_CLIENT, base_serving=base,
+                    speculation=SPEC, admission=ADMISSION, scale=SCALE)
 
 
 def glm_32k(concurrencies: tuple[int, ...] = (8, 16, 32, 64, 128), overlaps: tuple[float, ...] = OVERLAPS,

@@ -20,7 +20,7 @@ from dhisparse_planner.batch import Job, run_job
 from dhisparse_planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
 from dhisparse_planner.constants import BY_NAME, Constant, Setup, affects
 from dhisparse_planner.locality import LocalityModel
-from dhisparse_planner.paper import ADMISSION, BASE, SCALE, SPEC
+from dhisparse_planner.paper import ADMISSION, BASE, PAPER_REQUESTS_PER_CLIENT, SCALE, SPEC
 from dhisparse_planner.report import parse_config, recommend
 from dhisparse_planner.simulator import SimResult, simulate
 from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
@@ -179,7 +179,8 @@ def rerun_job(setup: Setup, label: str, conc: int) -> Job:
     name, long = label.removesuffix(LONG), label.endswith(LONG)
     serving = dataclasses.replace(parse_config(name, BASE, setup.speculation or SPEC, ADMISSION),
                                   locality=setup.locality)
-    work = WorkloadSpec(102400 if long else 32768, 8192, concurrency=conc, num_requests=conc)
+    work = WorkloadSpec(102400 if long else 32768, 8192, concurrency=conc,
+                        num_requests=conc * PAPER_REQUESTS_PER_CLIENT)
     return Job(setup.hw, setup.model, serving, work, SCALE)
 
 

@@ -108,11 +108,16 @@ def run_one(hw: HardwareSpec, model: ModelSpec, serving: ServingSpec, workload: 
 
 
 def result_row(result: SimResult, label: str, concurrency: int, overlap: float, gpus: int) -> dict[str, float | str]:
-    """The table row of one result (summary + per-GPU output + steady decode throughput)."""
+    """The table row of one result. ``output_tok_per_s_per_gpu``, ``mean_ttft_s`` and ``mean_tpot_s`` are the
+    closed loop's steady state (:mod:`dhisparse_planner.metrics`; the whole run's with one request per client), the
+    whole run's are kept as ``run_*``; ``decode_tok_per_s`` is the decode steps' throughput (prefill excluded)."""
     s = result.summary()
     row: dict[str, float | str] = {"label": label, "concurrency": concurrency, "overlap": overlap}
     row.update(s)
-    row["output_tok_per_s_per_gpu"] = s["output_tok_per_s"] / gpus
+    row["run_output_tok_per_s_per_gpu"] = s["output_tok_per_s"] / gpus
+    row["run_mean_ttft_s"], row["run_mean_tpot_s"] = s["mean_ttft_s"], s["mean_tpot_s"]
+    row["output_tok_per_s_per_gpu"] = s["steady_output_tok_per_s"] / gpus
+    row["mean_ttft_s"], row["mean_tpot_s"] = s["steady_mean_ttft_s"], s["steady_mean_tpot_s"]
     row["decode_tok_per_s"] = decode_tok_per_s(result)
     return row
 

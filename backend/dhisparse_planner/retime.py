@@ -15,6 +15,7 @@ import dataclasses
 
 from dhisparse_planner.core import SimRequest
 from dhisparse_planner.overlap import host_overlap
+from dhisparse_planner.real_time import RealTime
 from dhisparse_planner.simulator import SimResult
 from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
 from dhisparse_planner.timing import StepLoad, decode_step_seconds, prefill_seconds
@@ -34,6 +35,7 @@ def retime(result: SimResult, hw: HardwareSpec, model: ModelSpec, drafter: Draft
     points = iter(result.timeline)
     timeline = []
     clock = fetch_s = exposed_s = 0.0
+    times = RealTime(result.clients)
     for kind, obj in result.log:
         if kind == "decode":
             assert isinstance(obj, StepLoad)
@@ -42,22 +44,31 @@ def retime(result: SimResult, hw: HardwareSpec, model: ModelSpec, drafter: Draft
             fetch_s += parts["fetch"] * g
             exposed_s += parts["host"] * g
             clock += step_s
+            times.decoded(step_s, g)
             timeline.append(dataclasses.replace(next(points), time_s=clock, step_s=step_s))
+            continue
+        if kind == "step":
+            times.begin_step(clock)
+            continue
+        if kind == "admitted":
+            times.end_admissions()
             continue
         req = clones[id(obj)]
         if kind == "issue":
-            req.arrival_s = clock
+            req.arrival_s = times.arrival(clock)
         elif kind == "prefill":
             req.admitted_s = clock
-            clock += prefill_seconds(hw, model, req.prompt_tokens)  # type: ignore[attr-defined]
-            req.first_token_s = clock
+            prefill_s = prefill_seconds(hw, model, req.prompt_tokens)  # type: ignore[attr-defined]
+            clock += prefill_s
+            req.first_token_s = times.first_token(req, prefill_s,
+                                                  req.prompt_tokens / result.prefill_tokens_per_step)  # type: ignore[attr-defined]
         elif kind == "finish":
-            req.finish_s = clock
+            req.finish_s = times.finish(req, clock)
         else:
             raise ValueError(f"unknown log entry {kind!r}")
     requests = [clones[id(r)] for r in result.requests]
     start = min((r.arrival_s for r in requests), default=0.0)
     extra = dict(result.extra, host_overlap=host_overlap(fetch_s, exposed_s))
-    log = [(kind, obj if kind == "decode" else clones[id(obj)]) for kind, obj in result.log]
+    log = [(kind, obj if obj is None or kind == "decode" else clones[id(obj)]) for kind, obj in result.log]
     return dataclasses.replace(result, requests=requests, timeline=timeline, makespan_s=clock - start,
                                extra=extra, log=log, drafter=drafter)

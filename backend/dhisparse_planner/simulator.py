@@ -13,14 +13,15 @@ KV decisions whatever the time constants are, so :func:`dhisparse_planner.retime
 from __future__ import annotations
 
 import collections
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from dhisparse_planner.core import EngineCore, SimRequest, StepOutcome
 from dhisparse_planner.locality import SyntheticSelector
+from dhisparse_planner.metrics import summarize
 from dhisparse_planner.overlap import host_overlap
+from dhisparse_planner.real_time import RealTime
 from dhisparse_planner.scale import ScaledKV, ScaleSpec, build_scaled_kv
 from dhisparse_planner.specs import DRAFTERS, DrafterSpec, HardwareSpec, ModelSpec
 from dhisparse_planner.timing import StepLoad, decode_step_seconds, prefill_seconds
@@ -40,6 +41,7 @@ class TimelinePoint:
     pool_bytes: float
     host_share: float
     step_s: float
+    tokens: float = 0.0  # real output tokens produced so far (every request, prefill tokens included)
 
 
 @dataclass
@@ -61,37 +63,12 @@ class SimResult:
     # the run's decisions depend on time (load steps, Poisson arrivals) and it cannot be re-timed
     log: list[tuple[str, object]] | None = None
     drafter: DrafterSpec | None = None
+    clients: int = 0  # closed-loop clients at the start (real_time.RealTime)
+    prefill_tokens_per_step: int = 1  # the engine's per-real-step prefill budget (real_time.RealTime)
 
     def summary(self) -> dict[str, float]:
-        done = [r for r in self.requests if r.finish_s is not None]
-        ttft = [r.first_token_s - r.arrival_s for r in done if r.first_token_s is not None]
-        tpot = []
-        for r in done:
-            real = r.extra_real_tokens  # type: ignore[attr-defined]
-            if real > 1 and r.first_token_s is not None and r.finish_s is not None:
-                tpot.append((r.finish_s - r.first_token_s) / (real - 1))
-        c = self.counters
-        selected = c["rows_direct"] + c["rows_hot"] + c["rows_host"]
-        busy = [p for p in self.timeline if p.batch > 0]
-        return {
-            "output_tok_per_s": self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0,
-            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else math.nan,
-            "mean_tpot_s": sum(tpot) / len(tpot) if tpot else math.nan,
-            "direct_share": c["rows_direct"] / selected if selected else 0.0,
-            "hot_share": c["rows_hot"] / selected if selected else 0.0,
-            "host_share": c["rows_host"] / selected if selected else 0.0,
-            "mean_batch": sum(p.batch for p in busy) / len(busy) if busy else 0.0,
-            "max_batch": float(self.max_batch),
-            "requests_done": float(len(done)),
-            "admissions_waited": float(sum(r.waited for r in self.requests)),
-            # what refused them (a request may wait for several): device memory, host store, a token budget
-            **{f"waited_for_{why}": float(sum(why in r.wait_reasons for r in self.requests))
-               for why in ("device", "host", "budget")},
-            "reclaim_events": c["reclaim_events"],
-            "makespan_s": self.makespan_s,
-            "sim_steps": float(self.sim_steps),
-            **self.extra,
-        }
+        """Whole-run and steady-state metrics (:func:`dhisparse_planner.metrics.summarize`)."""
+        return summarize(self)
 
 
 class Simulator:
@@ -128,6 +105,7 @@ class Simulator:
         self.clock = 0.0
         self.issued = 0
         self.retimable = workload.concurrency > 0 and not workload.concurrency_schedule
+        self.times = RealTime(workload.concurrency if self.retimable else 0)
         self.log: list[tuple[str, object]] = []
         self.fetch_s = self.exposed_s = 0.0
         self.requests: list[SimRequest] = []
@@ -154,7 +132,7 @@ class Simulator:
             return
         alive = len(self.core.waiting) + len(self.core.running)
         while alive < w.clients_at(self.clock) and self.issued < w.total_requests:
-            self._new_request(self.clock)
+            self._new_request(self.times.arrival(self.clock))
             alive += 1
 
     def _next_event_s(self) -> float | None:
@@ -198,8 +176,10 @@ class Simulator:
     def _on_admit(self, req: SimRequest) -> None:
         req.admitted_s = self.clock
         self.log.append(("prefill", req))
-        self.clock += prefill_seconds(self.hw, self.model, req.prompt_tokens)  # type: ignore[attr-defined]
-        req.first_token_s = self.clock
+        prefill_s = prefill_seconds(self.hw, self.model, req.prompt_tokens)  # type: ignore[attr-defined]
+        self.clock += prefill_s  # the GPU's time; the request's own first token: real_time.py
+        share = req.prompt_tokens / self.serving.max_prefill_tokens_per_step  # type: ignore[attr-defined]
+        req.first_token_s = self.times.first_token(req, prefill_s, share)
 
     def _decode_load(self, batch: list[SimRequest], query_lens: torch.Tensor, context: torch.Tensor,
                      host_rows_sim: float, refill_pages_sim: float) -> StepLoad:
@@ -223,7 +203,11 @@ class Simulator:
         out = StepOutcome()
         core.kv.poll()
         self._finished_now: list[SimRequest] = []
+        self.times.begin_step(self.clock)
+        self.log.append(("step", None))
         core.admit(out, self._on_admit)
+        self.times.end_admissions()
+        self.log.append(("admitted", None))
         self._stamp_finished()
         step_s = 0.0
         if core.running:
@@ -243,6 +227,7 @@ class Simulator:
             self.exposed_s += parts["host"] * self.g
             self.log.append(("decode", load))
             self.clock += step_s
+            self.times.decoded(step_s, self.g)
             self._stamp_finished()
             host = after["rows_host"] - mid["rows_host"]
             sel = host + after["rows_direct"] - mid["rows_direct"] + after["rows_hot"] - mid["rows_hot"]
@@ -252,15 +237,16 @@ class Simulator:
 
     def _stamp_finished(self) -> None:
         for req in self._finished_now:
-            req.finish_s = self.clock
+            req.finish_s = self.times.finish(req, self.clock)
             self.log.append(("finish", req))
         self._finished_now = []
 
     def _record(self, batch: int, host_share: float, step_s: float) -> None:
         pool, f = self.core.kv.pool, self.kvs.byte_factor
+        tokens = sum(self._real_generated(r) for r in self.requests)
         self.timeline.append(TimelinePoint(self.clock, batch, len(self.core.waiting), pool.required_bytes * f,
                                            pool.optional_bytes * f, pool.reserve_bytes * f, pool.pool_bytes * f,
-                                           host_share, step_s))
+                                           host_share, step_s, float(tokens)))
         self.max_batch = max(self.max_batch, batch)
 
     def run(self, max_sim_steps: int = 10_000_000) -> SimResult:
@@ -296,7 +282,8 @@ class Simulator:
                          {k: float(v) for k, v in core.kv.counters.items()}, float(real_tokens),
                          self.clock - start, steps, self.g, self.kvs.byte_factor, self.max_batch,
                          {"host_overlap": host_overlap(self.fetch_s, self.exposed_s)},
-                         self.log if self.retimable else None, self.drafter if self.serving.speculation else None)
+                         self.log if self.retimable else None, self.drafter if self.serving.speculation else None,
+                         self.workload.concurrency if self.retimable else 0, self.serving.max_prefill_tokens_per_step)
 
 
 # Results of runs done ahead in worker processes (dhisparse_planner.batch.run_ahead), by run key; simulate() returns
