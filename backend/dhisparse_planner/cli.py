@@ -207,7 +207,7 @@ def run_sensitivity(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec
         return out
 
     claims = ratio_claims([(args.configs[0], other) for other in args.configs[1:]], args.concurrency)
-    return sensitivity(base, setup, claims, model.gpus, rerun, constants)
+    return sensitivity(base, setup, claims, model.attn_tp, rerun, constants)
 
 
 if __name__ == "__main__":

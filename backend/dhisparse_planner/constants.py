@@ -80,8 +80,10 @@ CONSTANTS: tuple[Constant, ...] = (
              "no source: wide range. Moves prefill (TTFT) and compute-bound steps.", retime=True, relative=False),
     Constant("HBM bandwidth (achieved)", "hardware", "hbm_bytes_per_s", 4.8e12, 3.6e12, 4.8e12, "TB/s", 1e-12,
              "H200 datasheet: 4.8 TB/s peak; the achieved fraction (75-100%) has no source.", retime=True),
-    Constant("dense parameters", "model", "dense_params", 12e9, 8e9, 16e9, "B", 1e-9,
-             "ASSUMED: GLM-5 model card gives 744B total / 40B active only (no dense/expert split).", retime=True),
+    Constant("dense parameters", "model", "dense_params", 17.52e9, 16.57e9, 17.52e9, "B", 1e-9,
+             "GLM-5.3's config.json (specs.mla_moe_params: attention 13.06B with IndexShare's 20 indexers, 3 dense "
+             "MLP layers, shared experts, LM head; with the card's 744B / 40B within 1%); low end: the LM head "
+             "(0.95B) not read at every step.", retime=True),
     Constant("workspace per GPU", "model", "workspace_bytes", 10e9, 5e9, 20e9, "GB", 1e-9,
              "ASSUMED (activations, CUDA graphs, communication buffers): no source; sets the KV pool.",
              retime=False),

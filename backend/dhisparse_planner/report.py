@@ -102,7 +102,7 @@ def run_one(hw: HardwareSpec, model: ModelSpec, serving: ServingSpec, workload: 
     """One simulation -> (table row, result). Rows carry the label, concurrency, overlap and wall time (s)."""
     start = time.perf_counter()
     result = simulate(hw, model, serving, workload, scale)
-    row = result_row(result, serving.label, workload.concurrency, serving.locality.overlap, model.gpus)
+    row = result_row(result, serving.label, workload.concurrency, serving.locality.overlap, model.attn_tp)
     row["wall_s"] = AHEAD_WALL_S.get(id(result), time.perf_counter() - start)
     return row, result
 

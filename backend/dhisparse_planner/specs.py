@@ -70,14 +70,21 @@ class ModelSpec:
         index_topk: positions one query selects per layer.
         row_bytes: bytes of one KV row (one token, one layer) in the serving layout.
         index_key_bytes: bytes of one indexer key (one token, one indexer layer).
-        attn_heads: query heads per GPU after tensor parallelism (MLA absorbed decode).
+        attn_heads: query heads per GPU when attention is tensor-parallel over all ``gpus`` (MLA absorbed
+            decode); with data-parallel attention a GPU holds ``attn_heads * gpus / attn_tp`` of them.
         attn_flops_per_head_row: FLOPs per head and selected row (score + value accumulation).
         index_heads: indexer heads; index_head_dim: their width (indexer FLOPs = 2*heads*dim per key).
         total_params / active_params: parameters (all / activated per token).
         dense_params: parameters every token reads (attention, dense layers, shared experts, embeddings).
         moe_layers, num_experts, experts_per_token: routed-expert structure.
         weight_bytes_per_param: weight precision (1.0 FP8, 0.5625 NVFP4 with scales).
-        gpus: GPUs the weights are split over (TP/EP); KV is per GPU (MLA latent replicated under TP).
+        gpus: GPUs of one instance: MoE / dense layers split over all of them (EP/TP).
+        attention_params: attention parameters of every layer (projections and indexers), part of
+            ``dense_params``; they are replicated across data-parallel attention ranks.
+        attention_dp: data-parallel attention ranks of the instance (1: attention tensor-parallel over all
+            ``gpus``, every GPU holds the instance's whole KV, the MLA latent being replicated; ``gpus``: each GPU
+            attends its own requests with its own KV pool). Each rank's KV pool serves ``1 / attention_dp`` of
+            the instance's requests and its output is shared by its ``attn_tp = gpus / attention_dp`` GPUs.
         workspace_bytes: activations, CUDA graphs, communication buffers per GPU (assumption).
         source: where the figures come from.
     """
@@ -99,6 +106,8 @@ class ModelSpec:
     experts_per_token: int
     weight_bytes_per_param: float = 1.0
     gpus: int = 8
+    attention_params: float = 0.0
+    attention_dp: int = 1
     workspace_bytes: float = 10e9
     attn_flops_per_head_row: float = 2.0 * (576 + 512)
     source: str = ""
@@ -111,6 +120,10 @@ class ModelSpec:
             raise ValueError("index_group_size must be <= num_layers and experts_per_token <= num_experts")
         if self.dense_params > self.active_params or self.active_params > self.total_params:
             raise ValueError("need dense_params <= active_params <= total_params")
+        if not 0 <= self.attention_params <= self.dense_params:
+            raise ValueError(f"ModelSpec.attention_params must be in [0, dense_params], got {self.attention_params}")
+        if self.attention_dp < 1 or self.gpus % self.attention_dp:
+            raise ValueError(f"ModelSpec.attention_dp ({self.attention_dp}) must divide gpus ({self.gpus})")
 
     @property
     def num_indexers(self) -> int:
@@ -118,8 +131,20 @@ class ModelSpec:
         return -(-self.num_layers // self.index_group_size)
 
     @property
+    def attn_tp(self) -> int:
+        """GPUs one request's attention is split over (and that share one KV pool)."""
+        return self.gpus // self.attention_dp
+
+    @property
+    def heads_per_gpu(self) -> float:
+        return self.attn_heads * self.gpus / self.attn_tp
+
+    @property
     def weight_bytes_per_gpu(self) -> float:
-        return self.total_params * self.weight_bytes_per_param / self.gpus
+        """Attention weights split over ``attn_tp`` GPUs (replicated across attention ranks), the rest over all."""
+        attn = self.attention_params / self.attn_tp
+        rest = (self.total_params - self.attention_params) / self.gpus
+        return (attn + rest) * self.weight_bytes_per_param
 
     @property
     def expert_params(self) -> float:
@@ -174,6 +199,37 @@ class DrafterSpec:
             raise ValueError("drafter weight_bytes, pass_overhead_s, flops_per_token and ring_bytes must be >= 0")
 
 
+def mla_moe_params(hidden: int, layers: int, heads: int, q_lora: int, kv_lora: int, qk_nope: int, qk_rope: int,
+                   v_head: int, index_heads: int, index_head_dim: int, indexer_layers: int, dense_layers: int,
+                   intermediate: int, moe_intermediate: int, shared_experts: int, vocab: int) -> dict[str, float]:
+    """Parameter split of an MLA + DSA + MoE model from its config.json: ``attention`` (q/kv down and up
+    projections, output projection, indexers), ``dense`` (what every token reads: attention, dense MLP layers,
+    shared experts, the LM head; the embedding is a lookup) and ``expert`` (one routed expert)."""
+    per_layer = (hidden * q_lora + q_lora * heads * (qk_nope + qk_rope) + hidden * (kv_lora + qk_rope)
+                 + kv_lora * heads * (qk_nope + v_head) + heads * v_head * hidden)
+    indexer = q_lora * index_heads * index_head_dim + hidden * index_head_dim + hidden * index_heads
+    attention = layers * per_layer + indexer_layers * indexer
+    expert = 3 * hidden * moe_intermediate
+    dense = (attention + dense_layers * 3 * hidden * intermediate + (layers - dense_layers) * shared_experts * expert
+             + vocab * hidden)
+    return {"attention": float(attention), "dense": float(dense), "expert": float(expert)}
+
+
+# GLM-5.3's config.json (hidden 6144, 78 layers, 64 heads, q_lora 2048, kv_lora 512, qk 192 + 64, v 256, indexer
+# 32 x 128, 3 dense layers of 12288, MoE 2048 with 256 experts top-8 + 1 shared, vocab 154,880), as transcribed from
+# HawkBearPig/GLM-5.3-Int4-Int8Mix-RTN-g64's config: it reproduces the card's 744B total / 40B active within 1%.
+_GLM = dict(hidden=6144, layers=78, heads=64, q_lora=2048, kv_lora=512, qk_nope=192, qk_rope=64, v_head=256,
+            index_heads=32, index_head_dim=128, dense_layers=3, intermediate=12288, moe_intermediate=2048,
+            shared_experts=1, vocab=154880)
+GLM5_PARAMS = mla_moe_params(indexer_layers=78, **_GLM)
+GLM5_INDEXSHARE_PARAMS = mla_moe_params(indexer_layers=20, **_GLM)
+# DeepSeek-V3.2-Exp's config.json (hidden 7168, 61 layers, 128 heads, q_lora 1536, kv_lora 512, qk 128 + 64, v 128,
+# indexer 64 x 128 on every layer, 3 dense layers of 18432, MoE 2048 with 256 experts top-8 + 1 shared, vocab 129,280)
+DSV32_PARAMS = mla_moe_params(hidden=7168, layers=61, heads=128, q_lora=1536, kv_lora=512, qk_nope=128, qk_rope=64,
+                              v_head=128, index_heads=64, index_head_dim=128, indexer_layers=61, dense_layers=3,
+                              intermediate=18432, moe_intermediate=2048, shared_experts=1, vocab=129280)
+
+
 H200 = HardwareSpec(
     name="H200",
     hbm_bytes=141e9,
@@ -211,7 +267,8 @@ GLM5 = ModelSpec(
     index_head_dim=128,
     total_params=744e9,
     active_params=40e9,
-    dense_params=12e9,
+    dense_params=GLM5_PARAMS["dense"],
+    attention_params=GLM5_PARAMS["attention"],
     moe_layers=75,
     num_experts=256,
     experts_per_token=8,
@@ -220,15 +277,18 @@ GLM5 = ModelSpec(
     source=("zai-org/GLM-5 model card: 744B total / 40B active parameters, 78 layers, DSA index_topk 2048, "
             "MLA kv_lora_rank 512 + rope 64, 256 routed experts top-8; sglang PR #31992: FP8 MLA row 656 "
             "bytes/layer/token and indexer key 132 bytes/layer/token (92,352 B/token for 78 layers at "
-            "host_to_device_ratio 4). ASSUMED: 12B dense params, 64 heads split over TP8, 10 GB workspace."),
+            "host_to_device_ratio 4). Dense (18.1B) and attention (13.6B) parameters from GLM-5.3's config.json "
+            "(mla_moe_params). ASSUMED: 10 GB workspace."),
 )
 
 GLM5_INDEXSHARE_NVFP4 = GLM5.with_(
     name="GLM-5.x IndexShare NVFP4",
     index_group_size=4,
+    dense_params=GLM5_INDEXSHARE_PARAMS["dense"],
+    attention_params=GLM5_INDEXSHARE_PARAMS["attention"],
     weight_bytes_per_param=0.5625,
     source=(GLM5.source + " IndexShare (indexer on 1 of 4 layers): NVIDIA/cudnn-frontend issue #827 (GLM-5.2). "
-            "ASSUMED NVFP4 weights (0.5 B/param + scales): the paper's GLM-5.3 is not public; with these "
+            "ASSUMED NVFP4 weights (0.5 B/param + scales) for every layer; with these "
             "assumptions ~33 32K+8K histories fit one H200, matching the paper's 'fits up to C32'."),
 )
 
@@ -244,7 +304,8 @@ DSV32 = ModelSpec(
     index_head_dim=128,
     total_params=671e9,
     active_params=37e9,
-    dense_params=11e9,
+    dense_params=DSV32_PARAMS["dense"],
+    attention_params=DSV32_PARAMS["attention"],
     moe_layers=58,
     num_experts=256,
     experts_per_token=8,
@@ -252,7 +313,8 @@ DSV32 = ModelSpec(
     gpus=8,
     source=("deepseek-ai/DeepSeek-V3.2-Exp config/model card: 671B total / 37B active, 61 layers (3 dense), 128 "
             "heads, MLA 512+64, 256 routed experts top-8, indexer 64 heads x 128, index_topk 2048; FP8 row 656 "
-            "B and indexer key 132 B as in sglang's DSA pool (PR #31992). ASSUMED: 11B dense params."),
+            "B and indexer key 132 B as in sglang's DSA pool (PR #31992). Dense (16.9B) and attention (12.3B) "
+            "parameters from its config.json (mla_moe_params)."),
 )
 
 # Drafter shapes from published checkpoints (ring = the drafter's visible window of KV, required memory per request).

@@ -58,10 +58,13 @@ class StepLoad:
 
 
 def weight_bytes_read(model: ModelSpec, tokens: int) -> float:
-    """Weight bytes one GPU reads in a forward over ``tokens`` tokens."""
-    frac = 1.0 - (1.0 - model.experts_per_token / model.num_experts) ** max(tokens, 0)
-    params = model.dense_params + model.moe_layers * model.num_experts * frac * model.expert_params
-    return params * model.weight_bytes_per_param / model.gpus
+    """Weight bytes one GPU reads in a forward over ``tokens`` tokens of its attention rank (the instance runs
+    ``attention_dp`` times as many through its MoE / dense layers)."""
+    instance = max(tokens, 0) * model.attention_dp
+    frac = 1.0 - (1.0 - model.experts_per_token / model.num_experts) ** instance
+    experts = model.moe_layers * model.num_experts * frac * model.expert_params
+    rest = model.dense_params - model.attention_params + experts
+    return (model.attention_params / model.attn_tp + rest / model.gpus) * model.weight_bytes_per_param
 
 
 def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
@@ -70,9 +73,11 @@ def decode_step_seconds(hw: HardwareSpec, model: ModelSpec, load: StepLoad,
     fetch time, ``fetch`` all of it, ``link`` the host link's busy time (fetches + refills)."""
     kv_bytes = load.attention_rows * model.row_bytes + load.index_keys_read * model.index_key_bytes
     hbm = (weight_bytes_read(model, load.query_tokens) + kv_bytes) / hw.hbm_bytes_per_s
-    flops = (2.0 * model.active_params / model.gpus * load.query_tokens
-             + 2.0 * model.index_heads * model.index_head_dim * load.index_keys_scanned / model.gpus
-             + model.attn_flops_per_head_row * model.attn_heads * load.attention_rows)
+    linear = model.active_params - model.attention_params
+    flops = (2.0 * model.attention_params / model.attn_tp * load.query_tokens
+             + 2.0 * linear / model.gpus * load.query_tokens * model.attention_dp
+             + 2.0 * model.index_heads * model.index_head_dim * load.index_keys_scanned / model.attn_tp
+             + model.attn_flops_per_head_row * model.heads_per_gpu * load.attention_rows)
     parts = combine_step(hw, hbm, flops, load.host_bytes, load.refill_bytes, load.draft_tokens, model.num_layers,
                          model.index_group_size, drafter)
     return {**parts, "hbm": hbm, "flops_s": flops / (hw.flops_per_s * hw.mfu)}
@@ -105,4 +110,6 @@ def prefill_seconds(hw: HardwareSpec, model: ModelSpec, tokens: int) -> float:
              + model.num_indexers * 2.0 * model.index_heads * model.index_head_dim * t * t / 2.0
              + model.num_layers * model.attn_flops_per_head_row * model.attn_heads * model.gpus
              * t * min(model.index_topk, t))
-    return flops / model.gpus / (hw.flops_per_s * hw.mfu)
+    # one attention rank's prompt on its attn_tp GPUs (the ranks prefill side by side: the instance's MoE work of
+    # attention_dp prompts is spread over all gpus, i.e. one prompt's over attn_tp of them)
+    return flops / model.attn_tp / (hw.flops_per_s * hw.mfu)

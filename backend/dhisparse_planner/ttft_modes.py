@@ -68,7 +68,7 @@ def ttft_rows(locality: LocalityModel, inputs: Sequence[int], concurrency: int,
                      "transfer_s": s["mean_transfer_s"] if disagg else "–",
                      "decode_admission_wait_s": wait if disagg else "–",
                      "ttft_plus_admission_wait_s": s["steady_mean_ttft_s"] + wait,
-                     "output_tok_per_s_per_decode_gpu": s["steady_output_tok_per_s"] / job.model.gpus,
+                     "output_tok_per_s_per_decode_gpu": s["steady_output_tok_per_s"] / job.model.attn_tp,
                      "mean_tpot_ms": 1e3 * s["steady_mean_tpot_s"]})
     return rows
 
