@@ -24,6 +24,7 @@ from dhisparse_planner.deepseek_v4 import (
 from dhisparse_planner.deepseek_v4_sim import V4Scale, V4Serving, simulate_v4
 from dhisparse_planner.deepseek_v4_time import V4Costs, V4Deployment, V4StepLoad, v4_step_seconds, weight_bytes_read
 from dhisparse_planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
+from dhisparse_planner.paper import PAPER_REQUESTS_PER_CLIENT
 from dhisparse_planner.specs import DRAFTERS, H200
 from dhisparse_planner.speculation import ACCEPTANCE, SpeculationModel
 
@@ -57,7 +58,8 @@ def throughput_rows(log: bool = True) -> list[dict[str, object]]:
         t0 = time.perf_counter()
         loc = dataclasses.replace(CALIBRATED, overlap=overlap)
         serving = V4Serving(policy, SPEC, locality=loc)
-        res = simulate_v4(H200, DSV4_FLASH, dep, serving, clients, PROMPT, OUTPUT, scale=SCALE)
+        res = simulate_v4(H200, DSV4_FLASH, dep, serving, clients, PROMPT, OUTPUT, scale=SCALE,
+                          requests_per_client=PAPER_REQUESTS_PER_CLIENT)
         rows.append({"reading": reading, "label": serving.label, "overlap": round(overlap, 3),
                      "kv_read": "once per request" if dep.kv_read_once else "per query",
                      "clients_per_pool": clients, **{k: round(v, 4) for k, v in res.items()}})
@@ -149,7 +151,7 @@ def main(out_dir: Path | None = None) -> list[dict[str, object]]:
     print(thead + tbody + "\n" + ratios + "\n" + steps)
     (out_dir / "deepseek_v4_500k.md").write_text(TEMPLATE.format(pool=rows[0]["pool_gib"], table=head + body,
                                                                  throughput=thead + tbody, ratios=ratios,
-                                                                 steps=steps))
+                                                                 steps=steps, waves=PAPER_REQUESTS_PER_CLIENT))
     return runs
 
 
@@ -181,51 +183,45 @@ per request and are what resident must hold.
 
 Whether the paper's "C512" is per GPU or per 8-GPU instance is not stated in our copy; both readings are run.
 **C512 on one GPU's pool**: TP8 attention (V4's single K=V latent head is replicated, so every GPU holds the whole
-instance's KV), 512 clients on one pool, throughput = instance output / 8. **C512 per 8-GPU instance**: DP8
-attention, each GPU holds and attends its own 64 clients. 512 (resp. 64) closed-loop clients, one request each,
-all issued at t = 0; a run ends when the last finishes. "run" = output tokens / that time; "full batch" = the
-mean over the steps at the run's largest batch (steady state without the last wave's tail). Prefill is not
-modelled (prompts arrive prefilled, as from a disaggregated prefill tier; first token at admission).
+instance's KV and its host store the instance's histories), 512 clients on one pool, throughput = instance output
+/ 8. **C512 per 8-GPU instance**: DP8 attention, each GPU holds and attends its own 64 clients. Closed loop with
+{waves} requests per client; "run" is the whole run, "tok/s per GPU (run)" the steady state (from the first
+completion to the last issue; dhisparse_planner/metrics.py), "full batch" the mean over the steps at the run's
+largest batch. Prefill is not modelled (prompts arrive prefilled, as from a disaggregated prefill tier; first token
+at admission).
 
 Model (every constant: `DSV4_FLASH`, `H200`, `DRAFTERS["dspark"]`, the calibrated locality): per real
 verification step and GPU, weights (284.3B / 13.3B active parameters counted from the config's own tensor list,
 FP8, sharded over 8 GPUs, routed experts read as touched by the instance's tokens), attention over every layer's
 128-token window + the CSA top-512 entries + every HCA entry (K=V MQA, 64 heads / attn_tp), the lightning indexer
-over every compressed CSA entry (64 heads x 128), step overhead 12 ms, DSpark draft pass; host fetches of CSA
-entries missed by the optional pages, the tail and the LRU hot cache, at 25 GB/s, exposed (each CSA layer owns its
-indexer). Selection: the calibrated locality model (overlap 0.858, recent fraction 0.394, 4K-token recent window)
-on entry granularity, also at the low end of its overlap range (0.604). DSpark: acceptance 0.75 at 4K, -0.03 per
-context doubling (0.54 at 500K), gamma 4, shortening at batch >= 32 to q = 2 (the V3.2 500K experiment's
-setting). Scale: 8 entries per simulated row, 32 real steps per simulated step.
+over every compressed CSA entry (64 heads x 128; its keys read once per request and step, scored per query), step
+overhead 12 ms, DSpark draft pass; host fetches of CSA entries missed by the optional pages, the tail and the LRU
+hot cache, at 25 GB/s, exposed (each CSA layer owns its indexer); each rank's host store 256 GiB (an admission
+waits for room). Selection: the calibrated locality model on entry granularity (a selection per position:
+re-verified positions keep theirs), also at the low end of its overlap range. DSpark: block 5 (gamma 5) with
+DeepSeek-V4-Flash's published 3.4 accepted tokens per step (sglang #29488; no long-context figure: the same at
+500K), shortening from a batch of 8 (the engine's default). Scale: 8 entries per simulated row, 32 real steps per
+simulated step.
 
 {throughput}
 {ratios}
 Where a full-batch step's time goes (time model, context 501K, no host fetch; ms):
 
 {steps}
-Reading it, plainly:
-
-- **C512 on one GPU's pool** (TP8 attention): resident admits 48 of the 512 and runs them in waves; hisparse and
-  adaptive admit 202. adaptive+DSpark / resident+DSpark comes out at 1.72x over the run and 1.80x at full batch
-  with the calibrated locality, 1.54x / 1.60x at overlap 0.604, and 1.94x / 2.05x if window, HCA and indexer
-  reads are shared by a verification block's queries. The paper's 1.85x lies inside that range; our model does
-  not pin it down more tightly than these assumptions. adaptive = hisparse here: 202 x 0.43 GiB of required
-  memory leaves no spare pool for optional pages. The price is latency: TPOT 41 ms vs 19 ms.
-- **C512 per 8-GPU instance** (64 per GPU): resident admits 48 and finishes the remaining 16 in a second wave;
-  adaptive admits all 64 and keeps about 42 requests' entries on device (60% of selected entries direct).
-  1.42-1.45x over the run, 1.14-1.18x at full batch: **lower than the paper's 1.85x** — in this reading the gain is the
-  batch ratio 64/48 minus the larger step, not a 4x larger batch.
-- What dominates a V4 step at 500K is not the selected entries but the dense parts that grow with context: the
-  lightning indexer's keys (125K entries x 21 layers x 132 B = 346 MB per query) and the HCA entries (20 layers x
-  3.9K entries). These stay required memory under every policy, so the hierarchy's gain is bounded by them.
+Reading it: the ratio table above gives adaptive+DSpark over resident+DSpark per reading, locality and KV-read
+convention (summary.md carries the verdict against the paper's 1.85x). What dominates a V4 step at 500K is not the
+selected entries but the dense parts that grow with context: the lightning indexer's keys (125K entries x 21 layers
+x 132 B = 346 MB per request and step) and the HCA entries (20 layers x 3.9K entries). These stay required memory
+under every policy, so the hierarchy's gain is bounded by them.
 
 Not modelled: prefill; a verification staging buffer (V4 has none; see docs/deepseek_v4.md); interference of
-host copies with HBM traffic beyond the fetch being on the critical path; MTP-style acceptance specific to V4
-(DSpark acceptance is the planner's generic model); the runtime's actual selections at 500K (the locality model
-is calibrated on GLM/DSA shares and our engine's traces, not on V4). Scale sensitivity (adaptive, per-instance
-reading): 16 / 8 / 4 entries per simulated row (64 / 32 / 16 steps) give 2589 / 2667 / 2751 tok/s/GPU over the
-run, 2873 / 2904 / 2920 at full batch and a host share of 9.4 / 7.7 / 6.7% (coarser rows over-state misses);
-resident at one GPU's pool 308 / 311 / 312 tok/s/GPU. The entry-level hot cache / tail model agrees with the real
+host copies with HBM traffic beyond the fetch being on the critical path; DSpark's acceptance at 500K (no published
+long-context figure); SGLang's token-budget admission for the V4 hisparse row (the DSA planner models it; the V4
+stepping admits hisparse by its required memory); the runtime's actual selections at 500K (the locality model is
+calibrated on GLM/DSA shares and our model's traces, not on V4). Scale sensitivity (measured before issue 28's
+fixes, adaptive, per-instance reading): 16 / 8 / 4 entries per simulated row (64 / 32 / 16 steps) moved the
+throughput by 3% per halving and the host share from 9.4 / 7.7 / 6.7% (coarser rows over-state misses). The
+entry-level hot cache / tail model agrees with the real
 `KVManager` resolver (the DSA simulator) at one token per entry: host share within 10%
 (`tests/planner/test_deepseek_v4_time.py`).
 """

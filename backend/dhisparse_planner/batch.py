@@ -15,7 +15,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from dhisparse_planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
@@ -90,9 +90,12 @@ def submit(pool: ProcessPoolExecutor, jobs: Iterable[Job]) -> list[tuple[Job, Fu
 
 
 def collect(pending: list[tuple[Job, Future]], log: Callable[[str], None] | None = None) -> float:
-    """Wait for submitted jobs and store their results in :data:`AHEAD`; returns the worker seconds spent."""
+    """Wait for submitted jobs (in the order they finish) and store their results in :data:`AHEAD`; returns the
+    worker seconds spent. ``log`` gets one line per finished job (progress)."""
     total = 0.0
-    for job, future in pending:
+    jobs = {id(future): job for job, future in pending}
+    for future in as_completed([f for _, f in pending]):
+        job = jobs[id(future)]
         result, wall = future.result()
         AHEAD[job.key] = result
         AHEAD_WALL_S[id(result)] = wall

@@ -25,6 +25,7 @@ from pathlib import Path
 from dhisparse import defaults
 from dhisparse_planner.constants import CONSTANTS, Constant, Setup, affects
 from dhisparse_planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE
+from dhisparse_planner.measured import load_measured, measured_claims, with_measured_link
 from dhisparse_planner.report import (
     PlanGrid,
     markdown_table,
@@ -32,9 +33,11 @@ from dhisparse_planner.report import (
     plot_grid,
     plot_memory,
     recommend,
+    result_row,
     run_grid,
     write_csv,
 )
+from dhisparse_planner.retime import retime
 from dhisparse_planner.scale import ScaleSpec
 from dhisparse_planner.sensitivity import COLUMNS as SENS_COLUMNS
 from dhisparse_planner.sensitivity import plot_sensitivity, ratio_claims, sensitivity
@@ -87,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--sensitivity", action="store_true",
                    help="vary every planner constant over its plausible range (first config vs the others)")
+    p.add_argument("--measured", type=Path, default=None,
+                   help="a GPU check's JSON (docs/results/gpu_check/, issue 25's keys): re-time the runs with its "
+                        "measured host-gather rate and add the ratios its measured per-layer steps give")
     p.add_argument("--sensitivity-time-only", action="store_true",
                    help="with --sensitivity: only the constants that re-timing covers (no new simulations)")
     return p
@@ -157,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                     args.out / "memory_split.png")
     print(table)
     print(rec)
+    if args.measured is not None:
+        try:
+            write_measured(args, hw, model, grid, results)
+        except (OSError, ValueError) as e:
+            print(f"dhisparse-plan: --measured: {e}", file=sys.stderr)
+            return 2
     if args.sensitivity:
         if len(args.configs) < 2:
             print("dhisparse-plan: --sensitivity needs at least two --configs", file=sys.stderr)
@@ -170,6 +182,23 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown_table(sens, SENS_COLUMNS))
     print(f"wrote {args.out}/ in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def write_measured(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec, grid: PlanGrid,
+                   results: dict[tuple[str, int, float], SimResult]) -> None:
+    """``--measured``: every run re-timed with the measured host link (``plan_measured.csv``), and the output ratios
+    the measured per-layer steps give (``plan_measured.md``), both next to the modelled table."""
+    measured = load_measured(args.measured, model.row_bytes)
+    hw_m = with_measured_link(hw, measured)
+    rows = [result_row(retime(res, hw_m, model), label, c, ov, model.attn_tp) for (label, c, ov), res in results.items()
+            if res.log is not None]
+    write_csv(rows, args.out / "plan_measured.csv")
+    claims = measured_claims(measured, hw, model, grid.speculation)
+    lines = [f"# dhisparse-plan --measured\n\nGPU check {measured.source} (commit {measured.commit}); host link "
+             f"{hw_m.host_link_bytes_per_s * 1e-9:.3g} GB/s (modelled {hw.host_link_bytes_per_s * 1e-9:.3g}).\n",
+             "| claim | measured |", "| --- | --- |"] + [f"| {k} | {v:.3g} |" for k, v in claims.items()]
+    (args.out / "plan_measured.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def run_sensitivity(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec, grid: PlanGrid,
@@ -191,11 +220,12 @@ def run_sensitivity(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec
         if c.target == "locality" and c.field == "overlap":
             ov = changed.locality.overlap
             return {(k[0], k[1], mid): v for k, v in results.items() if k[2] == ov} or None
-        out = {k: v for k, v in base.items() if not affects(c, k[0])}
+        admitted = tuple(policy for policy, _ in grid.admission)
+        out = {k: v for k, v in base.items() if not affects(c, k[0], admitted)}
         if len(out) == len(base):
             return out  # no config depends on this constant
         for label, conc, _ in base:
-            if not affects(c, label):
+            if not affects(c, label, admitted):
                 continue
             spec = changed.speculation or grid.speculation
             serving = dataclasses.replace(parse_config(label, grid.base_serving, spec, grid.admission),

@@ -15,11 +15,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from dhisparse.kv.policies import KV_POLICIES, policy_named
+from dhisparse_planner.admission import TokenBudget
 from dhisparse_planner.locality import LocalityModel
 from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
 from dhisparse_planner.speculation import SpeculationModel
 
-TARGETS = ("hardware", "model", "drafter", "speculation", "locality")
+TARGETS = ("hardware", "model", "drafter", "speculation", "locality", "admission")
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class Constant:
     """Attributes:
         name: label in tables and plots.
         target / field: which spec holds it (``hardware`` HardwareSpec, ``model`` ModelSpec, ``drafter``
-            DrafterSpec, ``speculation`` SpeculationModel, ``locality`` LocalityModel) and the field name.
+            DrafterSpec, ``speculation`` SpeculationModel, ``locality`` LocalityModel, ``admission`` a baseline's
+            TokenBudget) and the field name.
         value / low / high: nominal value and plausible range (reference setup, field units).
         unit / scale: display unit and the factor from field units to it.
         source: where the value and the range come from ("no source" when there is none).
@@ -84,6 +86,15 @@ CONSTANTS: tuple[Constant, ...] = (
              "GLM-5.3's config.json (specs.mla_moe_params: attention 13.06B with IndexShare's 20 indexers, 3 dense "
              "MLP layers, shared experts, LM head; with the card's 744B / 40B within 1%); low end: the LM head "
              "(0.95B) not read at every step.", retime=True),
+    Constant("host memory per GPU", "hardware", "host_bytes_per_gpu", 2.0 * 2**40 / 8, 1.8e12 / 8,
+             2.0 * 2**40 / 8, "GiB", 1.0 / 2**30,
+             "8-GPU servers' host memory over their 8 GPUs: 2 TiB for NVIDIA's H200-SXM-141GBx8 MLCommons inference "
+             "v4.1 system (nominal), 1.8 TB for Nebius' B200 node (v6.0; low end). Binds when a rank's host store "
+             "holds the instance's histories (tensor-parallel attention at 100K).", retime=False),
+    Constant("HiSparse host_to_device_ratio", "admission", "host_to_device_ratio", 8.0, 8.0, 10.0, "", 1.0,
+             "SGLang's HiSparse admission budget (admission.py): 8 in the reference 8xH200 PD-colocation command "
+             "(LMSYS HiSparse blog, 2026-04-10; nominal), 10 in its PD decode command and in sglang PR #33075.",
+             retime=False, relative=False),
     Constant("workspace per GPU", "model", "workspace_bytes", 10e9, 5e9, 20e9, "GB", 1e-9,
              "ASSUMED (activations, CUDA graphs, communication buffers): no source; sets the KV pool.",
              retime=False),
@@ -119,6 +130,7 @@ class Setup:
     drafter: DrafterSpec | None
     speculation: SpeculationModel | None
     locality: LocalityModel
+    admission: TokenBudget | None = None
 
     def current(self, c: Constant) -> float:
         obj = self._obj(c.target)
@@ -128,7 +140,7 @@ class Setup:
 
     def _obj(self, target: str) -> object | None:
         return {"hardware": self.hw, "model": self.model, "drafter": self.drafter, "speculation": self.speculation,
-                "locality": self.locality}[target]
+                "locality": self.locality, "admission": self.admission}[target]
 
     def with_value(self, c: Constant, value: float) -> Setup:
         obj = self._obj(c.target)
@@ -138,10 +150,15 @@ class Setup:
         return dataclasses.replace(self, **{_attr(c.target): dataclasses.replace(obj, **{c.field: cast(value)})})
 
 
-def affects(c: Constant, label: str) -> bool:
+def affects(c: Constant, label: str, admission_policies: tuple[str, ...] = ()) -> bool:
     """Whether constant ``c`` can change a ``policy[+drafter]`` run (a policy that does not use the host store
-    fetches nothing from it; only speculative runs draft or verify)."""
+    fetches nothing from it; only speculative runs draft or verify; an admission constant changes the policies
+    that follow that rule, ``admission_policies``)."""
     policy, _, drafter = label.partition("+")
+    if c.target == "admission":
+        return policy in admission_policies
+    if c.target == "hardware" and c.field == "host_bytes_per_gpu":
+        return policy_named(policy, "config label", KV_POLICIES).uses_host
     if c.target in ("speculation", "drafter"):
         return bool(drafter)
     if c.target == "locality":

@@ -92,7 +92,7 @@ class V4Sim:
 
     def __init__(self, hw: HardwareSpec, cfg: DeepseekV4Config, dep: V4Deployment, serving: V4Serving,
                  clients: int, prompt_tokens: int, output_tokens: int, *, pool_bytes: float | None = None,
-                 scale: V4Scale = V4Scale(), seed: int = 0) -> None:
+                 scale: V4Scale = V4Scale(), seed: int = 0, requests_per_client: int = 1) -> None:
         ge = scale.entry_scale
         for name, value in (("page_rows", serving.page_rows), ("hot_rows", serving.hot_rows),
                             ("index_topk", cfg.index_topk)):
@@ -132,6 +132,12 @@ class V4Sim:
         self.first_s = torch.full((clients,), math.nan, dtype=torch.float64)
         self.finish_s = torch.full((clients,), math.nan, dtype=torch.float64)
         self.clock, self.stamp, self.admitted = 0.0, 0, 0
+        if requests_per_client < 1:
+            raise ValueError(f"requests_per_client must be >= 1, got {requests_per_client}")
+        self.left = torch.full((clients,), requests_per_client - 1, dtype=torch.int64)  # requests still to send
+        self.finished: list[tuple[float, float]] = []  # (first token, finish) of every finished request
+        self.tokens: list[tuple[float, float]] = [(0.0, 0.0)]  # (clock, real output tokens so far)
+        self.last_issue_s = 0.0
         self.rows = {"direct": 0.0, "hot": 0.0, "host": 0.0}
         self.steps: list[tuple[int, float, float]] = []  # (batch, real step s, real tokens per real step)
         self.fetch_s = self.refill_bytes = self.reclaimed_pages = 0.0
@@ -256,10 +262,18 @@ class V4Sim:
         self.status[done] = DONE
         self.finish_s[done] = self.clock
         self.optional_pages[done] = 0
+        self.tokens.append((self.clock, self.tokens[-1][1] + float(emitted.sum())))
         for i in done.tolist():
             self.selector.forget(str(i))
+            self.finished.append((float(self.first_s[i]), self.clock))
         if self.policy.hot_cache:
             self.last_used[done] = 0
+        again = done[self.left[done] > 0]  # closed loop: the client sends its next request
+        if len(again):
+            self.left[again] -= 1
+            self.status[again], self.ctx[again], self.generated[again] = WAITING, self.prompt, 0
+            self.first_s[again] = math.nan
+            self.last_issue_s = self.clock
 
     def run(self, max_steps: int = 1_000_000) -> dict[str, float]:
         """Run to completion; returns the summary (per GPU: the pool's output divided over ``attn_tp`` GPUs)."""
@@ -272,12 +286,19 @@ class V4Sim:
         while bool((self.status != DONE).any()) and len(self.steps) < max_steps:
             self.step()
         tp = self.dep.attn_tp
-        tpot = (self.finish_s - self.first_s) / (self.output - 1)
+        tpot = torch.tensor([(f - s) / (self.output - 1) for s, f in self.finished])
         peak = max(b for b, _, _ in self.steps)
         full = [(t, tok) for b, t, tok in self.steps if b == peak]
         sel = sum(self.rows.values())
+        total = self.tokens[-1][1]
+        steady = total / self.clock
+        start = min(f for _, f in self.finished)
+        if self.last_issue_s > start:  # several waves: the window from the first completion to the last issue
+            at = dict(self.tokens)
+            steady = (at[self.last_issue_s] - at[start]) / (self.last_issue_s - start)
         return {
-            "output_tok_per_s_per_gpu": self.n * self.output / self.clock / tp,
+            "output_tok_per_s_per_gpu": steady / tp,
+            "run_output_tok_per_s_per_gpu": total / self.clock / tp,
             "full_batch_tok_per_s_per_gpu": sum(tok for _, tok in full) / sum(t for t, _ in full) / tp,
             "mean_tpot_s": float(tpot.mean()), "makespan_s": self.clock, "max_batch": float(peak),
             "required_gib": self.required / 2**30, "pool_gib": self.pool / 2**30,

@@ -19,12 +19,23 @@ Experiments:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from dhisparse.kv import KVConfig
 from dhisparse.kv.footprint import request_footprint
 from dhisparse_planner.admission import TokenBudget
+from dhisparse_planner.batch import Job
+from dhisparse_planner.claims import DP, LONG
 from dhisparse_planner.locality import LocalityModel
-from dhisparse_planner.report import PlanGrid, label_uses_host, parse_config, recommend, run_grid, run_one
+from dhisparse_planner.report import (
+    PlanGrid,
+    grid_points,
+    label_uses_host,
+    parse_config,
+    recommend,
+    run_grid,
+    run_one,
+)
 from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
 from dhisparse_planner.simulator import SimResult, simulate
 from dhisparse_planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, ModelSpec
@@ -62,6 +73,66 @@ def glm_grid(input_tokens: int, concurrencies: tuple[int, ...], overlaps: tuple[
     return PlanGrid(configs=configs, concurrencies=concurrencies, overlaps=overlaps, input_tokens=input_tokens,
                     output_tokens=8192, requests_per_client=PAPER_REQUESTS_PER_CLIENT, base_serving=base,
                     speculation=SPEC, admission=ADMISSION, scale=SCALE)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One sweep of the paper setup: ``configs`` x instance ``concurrencies`` at ``input_tokens`` / 8K out and one
+    ``locality``, with attention tensor-parallel over the 8 GPUs (``attention_dp`` 1) or data-parallel (8: each
+    GPU's pool serves ``C / 8`` of the instance's requests). Its rows carry the instance's concurrency and labels
+    suffixed :data:`~dhisparse_planner.claims.LONG` (100K) and :data:`~dhisparse_planner.claims.DP`."""
+
+    input_tokens: int
+    configs: tuple[str, ...]
+    concurrencies: tuple[int, ...]
+    locality: LocalityModel
+    attention_dp: int = 1
+
+    @property
+    def model(self) -> ModelSpec:
+        return GLM5_INDEXSHARE_NVFP4.with_(attention_dp=self.attention_dp)
+
+    @property
+    def suffix(self) -> str:
+        return (LONG if self.input_tokens > 32768 else "") + (DP if self.attention_dp > 1 else "")
+
+    def grid(self) -> PlanGrid:
+        per_rank = tuple(c // self.attention_dp for c in self.concurrencies)
+        if min(per_rank) < 1 or any(c % self.attention_dp for c in self.concurrencies):
+            raise ValueError(f"Sweep: concurrencies {self.concurrencies} must be multiples of {self.attention_dp}")
+        return glm_grid(self.input_tokens, per_rank, (self.locality.overlap,), self.configs, self.locality)
+
+    def jobs(self) -> list[Job]:
+        return [Job(H200, self.model, s, w, SCALE) for _, _, _, s, w, new in grid_points(self.grid(), self.model)
+                if new]
+
+    def run(self, log: bool = False) -> tuple[list[Row], dict[tuple[str, int, float], SimResult]]:
+        rows, results = run_grid(H200, self.model, self.grid(), log=log)
+        dp, sfx = self.attention_dp, self.suffix
+        out = [dict(r, label=f"{r['label']}{sfx}", concurrency=int(float(r["concurrency"])) * dp) for r in rows]
+        return out, {(k[0] + sfx, k[1] * dp, k[2]): v for k, v in results.items()}
+
+
+SWEEP_CONCURRENCIES = (8, 16, 32, 64, 128)
+HOST_CONFIGS = ("hisparse", "adaptive", "adaptive+dflash2")
+
+
+def reproduction_sweeps(locality: LocalityModel, corners: tuple[LocalityModel, LocalityModel],
+                        quick: bool = False) -> dict[str, Sweep]:
+    """The sweeps ``scripts/reproduce_paper.py`` runs: every configuration at 32K and the host-backed ones at 100K
+    over C8-C128 (tensor-parallel attention, the calibrated locality); the headline points again at the calibrated
+    box's two corners (``corners``: least and most locality); the claims' points with data-parallel attention."""
+    if quick:
+        return {"32K": Sweep(32768, CONFIGS, (8, 16), locality)}
+    headline = (8, 32, 64, 128)
+    sweeps = {"32K": Sweep(32768, CONFIGS, SWEEP_CONCURRENCIES, locality),
+              "100K": Sweep(102400, HOST_CONFIGS, SWEEP_CONCURRENCIES, locality)}
+    for corner, tag in zip(corners, ("low", "high"), strict=True):
+        sweeps[f"32K {tag} locality"] = Sweep(32768, HOST_CONFIGS, headline, corner)
+        sweeps[f"100K {tag} locality"] = Sweep(102400, HOST_CONFIGS, (128,), corner)
+    sweeps["32K DP8"] = Sweep(32768, ("resident+dflash2",) + HOST_CONFIGS, headline, locality, attention_dp=8)
+    sweeps["100K DP8"] = Sweep(102400, HOST_CONFIGS, (128,), locality, attention_dp=8)
+    return sweeps
 
 
 def glm_32k(concurrencies: tuple[int, ...] = (8, 16, 32, 64, 128), overlaps: tuple[float, ...] = OVERLAPS,

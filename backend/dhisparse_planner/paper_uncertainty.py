@@ -2,89 +2,33 @@
 
 - :func:`calibrate_locality`: the selection model fitted to the published resolution shares (paper setup,
   low load) and to selection traces of our engine; the nominal is the published-share fit, the plausible range
-  spans both fits (at least +-0.03 overlap, +-0.05 recent fraction around the nominal).
-- :func:`headline_claims`: every headline comparison as a function of table rows (32K grid labels as they are,
-  100K labels suffixed ``@100K``), next to the paper's number (:data:`PAPER`).
-- :func:`make_rerun`: how the non-time constants are varied: the locality overlap from the grid runs at its
-  range ends, the other ones by simulating a fixed subset of headline points again (the rest of the claims then
-  say "not varied" for that constant).
+  spans both fits (at least +-0.03 overlap, +-0.05 recent fraction around the nominal). The locality is varied at
+  the calibrated box's two corners (:func:`locality_corners`): least locality (both low) and most (both high).
+- The claims themselves and their verdicts: :mod:`dhisparse_planner.claims`.
+- :func:`make_rerun`: how the non-time constants are varied: the locality from the sweeps run at its corners, the
+  other ones by simulating a fixed subset of headline points again (:data:`RERUN_KEYS`; the other claims then say
+  "not varied" for that constant).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterable
 
 from dhisparse_planner.batch import Job, run_job
 from dhisparse_planner.calibrate import PublishedFit, TraceFit, TraceMoments, fit_published, fit_trace_moments
-from dhisparse_planner.constants import BY_NAME, Constant, Setup, affects
+from dhisparse_planner.claims import LONG
+from dhisparse_planner.constants import Constant, Setup, affects
 from dhisparse_planner.locality import LocalityModel
 from dhisparse_planner.paper import ADMISSION, BASE, PAPER_REQUESTS_PER_CLIENT, SCALE, SPEC
-from dhisparse_planner.report import parse_config, recommend
+from dhisparse_planner.report import parse_config
 from dhisparse_planner.simulator import SimResult, simulate
 from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
 from dhisparse_planner.workload import WorkloadSpec
 
 Key = tuple[str, int, float]
 Row = dict[str, float | str]
-LONG = "@100K"
-
-PAPER = {
-    "adaptive / hisparse output, 32K C8": "1.7–1.9× (C8–C64)",
-    "adaptive / hisparse output, 32K C32": "1.7–1.9× (C8–C64)",
-    "adaptive / hisparse output, 32K C64": "1.7–1.9× (C8–C64)",
-    "adaptive / hisparse output, 32K C128": "1.45×",
-    "hisparse / adaptive mean TTFT, 32K C128": "2.3×",
-    "adaptive+dflash2 / hisparse output, 100K C128": "1.45×",
-    "adaptive+dflash2 / adaptive output, 100K C128": "1.27×",
-    "hisparse / adaptive+dflash2 mean TTFT, 100K C128": "2.1×",
-    "adaptive+dflash2 output per GPU, 100K C128 (tok/s)": "793",
-    "resident+dflash2 / adaptive+dflash2 output, 32K C8": "1.05–1.09× (C≤32)",
-    "resident+dflash2 / adaptive+dflash2 output, 32K C32": "1.05–1.09× (C≤32)",
-    "best adaptive(+dflash2) / best hisparse, TPOT ≤ 50 ms": "2.3–3.7× (over bounds)",
-    "best adaptive(+dflash2) / best hisparse, TPOT ≤ 100 ms": "2.3–3.7× (over bounds)",
-    "best resident(+dflash2) / best adaptive(+dflash2), TPOT ≤ 50 ms": "(resident stops scaling at C64)",
-}
-
-
-def headline_claims(rows: list[Row]) -> dict[str, float]:
-    """The claims of :data:`PAPER` that ``rows`` allow (one row per label and concurrency)."""
-    idx = {(str(r["label"]), int(float(r["concurrency"]))): r for r in rows}
-    out: dict[str, float] = {}
-
-    def ratio(name: str, a: str, b: str, c: int, metric: str = "output_tok_per_s_per_gpu") -> None:
-        ra, rb = idx.get((a, c)), idx.get((b, c))
-        if ra is not None and rb is not None and float(rb[metric]) > 0:
-            out[name] = float(ra[metric]) / float(rb[metric])
-
-    for c in (8, 32, 64, 128):
-        ratio(f"adaptive / hisparse output, 32K C{c}", "adaptive", "hisparse", c)
-    ratio("hisparse / adaptive mean TTFT, 32K C128", "hisparse", "adaptive", 128, "mean_ttft_s")
-    ratio("adaptive+dflash2 / hisparse output, 100K C128", "adaptive+dflash2" + LONG, "hisparse" + LONG, 128)
-    ratio("adaptive+dflash2 / adaptive output, 100K C128", "adaptive+dflash2" + LONG, "adaptive" + LONG, 128)
-    ratio("hisparse / adaptive+dflash2 mean TTFT, 100K C128", "hisparse" + LONG, "adaptive+dflash2" + LONG, 128,
-          "mean_ttft_s")
-    spec = idx.get(("adaptive+dflash2" + LONG, 128))
-    if spec is not None:
-        out["adaptive+dflash2 output per GPU, 100K C128 (tok/s)"] = float(spec["output_tok_per_s_per_gpu"])
-    for c in (8, 32):
-        ratio(f"resident+dflash2 / adaptive+dflash2 output, 32K C{c}", "resident+dflash2", "adaptive+dflash2", c)
-    short = [r for r in rows if not str(r["label"]).endswith(LONG)]
-    for bound in (0.05, 0.1):
-        best = {label: recommend([r for r in short if r["label"] == label], bound)
-                for label in ("hisparse", "adaptive", "adaptive+dflash2", "resident", "resident+dflash2")}
-        val = {k: (float(v["output_tok_per_s_per_gpu"]) if v is not None else 0.0) for k, v in best.items()}
-        present = {str(r["label"]) for r in short}
-        if {"hisparse", "adaptive", "adaptive+dflash2"} <= present:
-            ada = max(val["adaptive"], val["adaptive+dflash2"])
-            out[f"best adaptive(+dflash2) / best hisparse, TPOT ≤ {1e3 * bound:g} ms"] = (
-                ada / val["hisparse"] if val["hisparse"] > 0 else math.inf)
-        if bound == 0.05 and {"resident", "resident+dflash2", "adaptive", "adaptive+dflash2"} <= present:
-            ada = max(val["adaptive"], val["adaptive+dflash2"])
-            res = max(val["resident"], val["resident+dflash2"])
-            out["best resident(+dflash2) / best adaptive(+dflash2), TPOT ≤ 50 ms"] = res / ada if ada > 0 else math.inf
-    return out
+POLICIES_ADMITTED = tuple(policy for policy, _ in ADMISSION)  # the baselines that admit by SGLang's budget
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -134,37 +78,52 @@ def calibrate_locality(trace: dict | None, log: bool = False, iters: int = FIT_I
 
 
 def calibrated_constants(cal: LocalityCalibration) -> tuple[Constant, ...]:
-    """:data:`CONSTANTS` with the locality entries replaced by the calibration."""
+    """:data:`CONSTANTS` with the locality entries replaced by the calibration: the overlap's entry stands for the
+    calibrated box (overlap and recent fraction together, at its corners), the recent fraction's is dropped."""
     from dhisparse_planner.constants import CONSTANTS
 
     out = []
     for c in CONSTANTS:
         if c.target == "locality" and c.field == "overlap":
-            c = dataclasses.replace(c, value=cal.nominal.overlap, low=cal.overlap_range[0], high=cal.overlap_range[1])
+            c = dataclasses.replace(c, name="locality (overlap, recent fraction)", value=cal.nominal.overlap,
+                                    low=cal.overlap_range[0], high=cal.overlap_range[1])
         elif c.target == "locality" and c.field == "recent_fraction":
-            c = dataclasses.replace(c, value=cal.nominal.recent_fraction, low=cal.recent_range[0],
-                                    high=cal.recent_range[1])
+            continue  # varied with the overlap, at the calibrated box's corners
         out.append(c)
     return tuple(out)
 
 
+def locality_corners(cal: LocalityCalibration) -> tuple[LocalityModel, LocalityModel]:
+    """The calibrated box's corners: least locality (low overlap, low recent fraction) and most (both high)."""
+    lo = dataclasses.replace(cal.nominal, overlap=cal.overlap_range[0], recent_fraction=cal.recent_range[0])
+    hi = dataclasses.replace(cal.nominal, overlap=cal.overlap_range[1], recent_fraction=cal.recent_range[1])
+    return lo, hi
+
+
 # ------------------------------------------------------------------------------------------------ re-runs
-RERUN_KEYS: tuple[tuple[str, int], ...] = (("adaptive", 128), ("hisparse", 128), ("adaptive+dflash2" + LONG, 128),
-                                           ("hisparse" + LONG, 128))
+# The headline points simulated again for each decision constant: the system comparator at 32K C128 and at 100K C128
+# (with non-speculative adaptive at 100K for the 1.27x claim).
+RERUN_KEYS: tuple[tuple[str, int], ...] = (("adaptive+dflash2", 128), ("hisparse", 128),
+                                           ("adaptive+dflash2" + LONG, 128), ("hisparse" + LONG, 128),
+                                           ("adaptive" + LONG, 128))
 
 
 def make_rerun(base: dict[Key, SimResult], by_overlap: dict[float, dict[Key, SimResult]],
                log: bool = False) -> Callable[[Constant, Setup], dict[Key, SimResult] | None]:
-    """``rerun`` for :func:`dhisparse_planner.sensitivity.sensitivity` over the paper's grids (module docstring)."""
+    """``rerun`` for :func:`dhisparse_planner.sensitivity.sensitivity` over the paper's sweeps (module docstring)."""
     nominal_ov = next(iter(base))[2]
 
     def rerun(c: Constant, setup: Setup) -> dict[Key, SimResult] | None:
         if c.target == "locality" and c.field == "overlap":
             grid = by_overlap.get(round(setup.locality.overlap, 6))
-            return None if grid is None else {(k[0], k[1], nominal_ov): v for k, v in grid.items()}
-        out = {k: v for k, v in base.items() if not affects(c, k[0])}
+            if grid is None:
+                return None
+            out = {k: v for k, v in base.items() if not affects(c, k[0].partition("@")[0])}  # e.g. resident
+            out.update({(k[0], k[1], nominal_ov): v for k, v in grid.items()})
+            return out
+        out = {k: v for k, v in base.items() if not affects(c, k[0].partition("@")[0], POLICIES_ADMITTED)}
         for label, conc in RERUN_KEYS:
-            if not affects(c, label) or (label, conc, nominal_ov) not in base:
+            if not affects(c, label.partition("@")[0], POLICIES_ADMITTED) or (label, conc, nominal_ov) not in base:
                 continue
             out[(label, conc, nominal_ov)] = run_job(rerun_job(setup, label, conc))
             if log:
@@ -179,6 +138,8 @@ def rerun_job(setup: Setup, label: str, conc: int) -> Job:
     name, long = label.removesuffix(LONG), label.endswith(LONG)
     serving = dataclasses.replace(parse_config(name, BASE, setup.speculation or SPEC, ADMISSION),
                                   locality=setup.locality)
+    if setup.admission is not None and serving.admission is not None:
+        serving = dataclasses.replace(serving, admission=setup.admission)
     work = WorkloadSpec(102400 if long else 32768, 8192, concurrency=conc,
                         num_requests=conc * PAPER_REQUESTS_PER_CLIENT)
     return Job(setup.hw, setup.model, serving, work, SCALE)
@@ -194,8 +155,9 @@ def rerun_jobs(base_keys: Iterable[Key], setup: Setup, constants: Iterable[Const
         for value in c.range_around(setup.current(c)):
             changed = setup.with_value(c, value)
             jobs += [rerun_job(changed, label, conc) for label, conc in RERUN_KEYS
-                     if affects(c, label) and any(k[0] == label and k[1] == conc for k in keys)]
+                     if affects(c, label.partition("@")[0], POLICIES_ADMITTED)
+                     and any(k[0] == label and k[1] == conc for k in keys)]
     return jobs
 
 
-__all__ = ["BY_NAME", "PAPER", "calibrate_locality", "calibrated_constants", "headline_claims", "make_rerun"]
+__all__ = ["calibrate_locality", "calibrated_constants", "locality_corners", "make_rerun"]

@@ -119,6 +119,7 @@ def result_row(result: SimResult, label: str, concurrency: int, overlap: float, 
     row["output_tok_per_s_per_gpu"] = s["steady_output_tok_per_s"] / gpus
     row["mean_ttft_s"], row["mean_tpot_s"] = s["steady_mean_ttft_s"], s["steady_mean_tpot_s"]
     row["decode_tok_per_s"] = decode_tok_per_s(result)
+    row["decode_tok_per_s_per_gpu"] = row["decode_tok_per_s"] / gpus
     return row
 
 
