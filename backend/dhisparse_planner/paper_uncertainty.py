@@ -153,6 +153,8 @@ def rerun_jobs(base_keys: Iterable[Key], setup: Setup, constants: Iterable[Const
         if c.retime or (c.target == "locality" and c.field == "overlap"):
             continue
         for value in c.range_around(setup.current(c)):
+            if value == setup.current(c):  # the nominal runs are that end (sensitivity reuses them)
+                continue
             changed = setup.with_value(c, value)
             jobs += [rerun_job(changed, label, conc) for label, conc in RERUN_KEYS
                      if affects(c, label.partition("@")[0], POLICIES_ADMITTED)

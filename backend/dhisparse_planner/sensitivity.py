@@ -92,8 +92,10 @@ def _end_claims(i: int) -> dict[str, float] | None:
     base, setup, claims, gpus, rerun, tasks = _STATE
     c, value = tasks[i]
     changed = setup.with_value(c, value)
-    if c.retime:
-        results: dict[Key, SimResult] | None = retime_all(base, changed, c, value)
+    if value == setup.current(c):  # a range end at the nominal value: the nominal runs are that end
+        results: dict[Key, SimResult] | None = base
+    elif c.retime:
+        results = retime_all(base, changed, c, value)
     else:
         results = rerun(c, changed) if rerun is not None else None
     return None if results is None else claims(rows_of(results, gpus))
