@@ -177,7 +177,7 @@ def plot_load_step(trace: list[dict], path: Path, pool_bytes: int) -> None:
 
 # ------------------------------------------------------------------------------------------ resolver
 def run_resolver(out: Path, batches: list[int], topk: int, history: int, hot_rows: int, repeats: int) -> list[dict]:
-    from dhisparse.kv.resolver import resolve
+    from dhisparse.kernels.resolver import resolve
 
     page_rows = 64
     rows = []

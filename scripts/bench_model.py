@@ -82,14 +82,14 @@ class _TimedEngine:
         params = SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True)
         ids = [self.engine.add_request(p, params) for p in prompts]
         run = Run()
-        while self.engine.waiting:  # every prompt admitted in one step unless the prefill budget splits them
+        while self.engine.scheduler.waiting:  # every prompt admitted in one step unless the prefill budget splits
             t0 = time.perf_counter()
             self.engine.step()
             run.prefill_s += time.perf_counter() - t0
         return run, ids
 
     def step(self, run: Run) -> None:
-        batch = len(self.engine.running)
+        batch = len(self.engine.scheduler.running)
         kv = self.engine.kv
         begin = kv.begin_step
         self.paths.clear()
@@ -140,7 +140,7 @@ def _load() -> str:
 
 
 def bench(engine: Path, name: str, repeats: int, prompt_len: int, decode_steps: int, page_rows: int = 0,
-          device: str = "cpu", kernels: str = "auto", baseline: str = "dense") -> None:
+          device: str = "auto", kernels: str = "auto", baseline: str = "dense") -> None:
     from dhisparse import LLM
 
     policies = (baseline, "adaptive")
@@ -207,7 +207,8 @@ def main() -> None:
     ap.add_argument("--page-rows", type=int, default=0,
                     help="KV page size (0: the default); with pages smaller than the decode steps, decode pages leave "
                          "the tail and every later step runs the full resolver (hot cache, host fetches)")
-    ap.add_argument("--device", default="cpu", help="engine device (cpu, cuda); on a GPU compare the wall column")
+    ap.add_argument("--device", default="auto",
+                    help="engine device (auto: the GPU when there is one; cpu, cuda); on a GPU compare the wall column")
     ap.add_argument("--kernels", default="auto", choices=("auto", "cuda", "torch"))
     ap.add_argument("--baseline", default="dense", choices=("dense", "resident"),
                     help="the engine compared against: the dense reference store (torch attention, whatever the "

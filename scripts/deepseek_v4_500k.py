@@ -166,7 +166,7 @@ Prompt 500,000 tokens, 2,048 output tokens, H200 KV pool {pool} GiB per GPU (141
 284B parameters over 8 GPUs, a DSpark drafter and 10 GB workspace), hot cache B = 4096 rows per CSA source, pages
 of 64 entries. Rows are V4's FP8 layout: 584 B (448 e4m3 + 64 bf16 RoPE values + 7 e8m0 scales + 1 pad).
 
-The footprint is `KVManager`'s own `request_footprint` over the layout `V4HierarchyKVManager` builds (21 CSA
+The footprint is `KVManager`'s own `request_footprint` over the layout `V4HierarchyKVStore` builds (21 CSA
 sources, one row per compressed entry) plus the V4 tail it reserves per request (`tail_state_bytes`: every
 layer's 127 window rows, compressor pending state, CSA indexer keys, HCA entries). `resident` keeps every CSA
 entry on the device; `hisparse` / `adaptive` keep the hot cache and tail pages (adaptive additionally lends spare

@@ -25,6 +25,10 @@ Without a GPU it prints "nothing was run: no GPU" and exits 0. Every part record
 script goes on, so one run reports everything; the exit status is 1 if anything failed.
 
 Usage: ``python scripts/gpu_check.py [--no-build] [--quick] [--out DIR] [--stack-history 32768] [--budget-s 420]``
+
+``--bench-only`` instead runs the figures of issue 25 in at most 5 minutes, offline (``scripts/gpu_check_bench.py``,
+``scripts/gpu_check_stack.py``; report schema in ``scripts/gpu_check_report.py``): ``python scripts/gpu_check.py
+--bench-only [--commit SHA] [--budget-s 270] [--out DIR]``; ``--cpu-dry-run`` runs that code at tiny sizes on a CPU.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "backend"))
 sys.path.insert(0, str(ROOT / "engine_builder"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 BUDGET_S = 7 * 60  # leave a minute of the 8 for start-up and writing
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -70,6 +75,7 @@ def median_ms(fn: Callable[[], object], repeats: int = 15) -> float:
 # --------------------------------------------------------------------------------------------- kernels
 def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]:
     from dhisparse.kernels.reference import decode_fp8_rows, encode_fp8_rows, sparse_mla_reference
+    from dhisparse.kernels.resolver import resolve
     from dhisparse.kernels.self_check import (
         compare_attention,
         compare_resolutions,
@@ -77,7 +83,6 @@ def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]
         resolver_case,
         run_self_check,
     )
-    from dhisparse.kv.resolver import resolve
 
     out: dict[str, Any] = {}
     results = [r for seed in range(seeds) for r in run_self_check(kernels, dev, seed)]
@@ -114,7 +119,7 @@ def check_kernels(kernels: Any, dev: torch.device, seeds: int) -> dict[str, Any]
 
 
 def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[dict[str, Any]]:
-    from dhisparse import native
+    from dhisparse.kernels import native
     from dhisparse.kernels.self_check import resolver_case
 
     g = torch.Generator().manual_seed(1)
@@ -144,9 +149,9 @@ def bench_kernels(kernels: Any, dev: torch.device, batches: list[int]) -> list[d
 # --------------------------------------------------------------------------------------------- mapped host store
 def check_mapped_host(dev: torch.device) -> dict[str, Any]:
     """The host store's device view against the CPU rows, a fetch with no host read, and the gather's time."""
+    from dhisparse.host_values import HostSync
     from dhisparse.kv.copies import CopyEngine
     from dhisparse.kv.host_store import ChunkedRows
-    from dhisparse.kv.host_sync import HostSync
     from dhisparse.kv.mapped_host import host_device_pointer
 
     out: dict[str, Any] = {}
@@ -369,9 +374,20 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer seeds and batches, demo model only")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "gpu_check")
     parser.add_argument("--stack-history", type=int, default=32768, help="history tokens of the GLM-5 stack")
-    parser.add_argument("--budget-s", type=float, default=BUDGET_S,
-                        help="seconds after start-up past which engine comparisons are skipped")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds after start-up past which parts are skipped (default 420; 270 with --bench-only)")
+    parser.add_argument("--bench-only", action="store_true",
+                        help="issue 25's figures only (<= 5 min, offline): docs/results/gpu_check/<date>.json, .md")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="with --bench-only: tiny sizes on the CPU")
+    parser.add_argument("--commit", help="commit id to record (default: git rev-parse HEAD, if git is there)")
+    parser.add_argument("--jobs", type=int, default=16, help="build jobs (--bench-only)")
     args = parser.parse_args()
+    if args.bench_only:
+        import gpu_check_stack
+
+        args.budget_s = 270.0 if args.budget_s is None else args.budget_s
+        return gpu_check_stack.run(args)
+    args.budget_s = BUDGET_S if args.budget_s is None else args.budget_s
     if not torch.cuda.is_available():
         print("nothing was run: no GPU (torch sees no CUDA device; the kernels only compile here)")
         return 0

@@ -28,6 +28,7 @@ def per_step(device: str, kernels: str, policy: str, engine: Path, batch: int, s
     from tiny_models import random_prompts
 
     from dhisparse import LLM, SamplingParams
+    from dhisparse.device import resolve_device
 
     llm = LLM(engine, kv_policy=policy, max_batch_size=8, pool_bytes=256 << 20, page_rows=16, device=device,
               kernels=kernels)
@@ -36,11 +37,12 @@ def per_step(device: str, kernels: str, policy: str, engine: Path, batch: int, s
         eng.add_request(prompt, SamplingParams(max_tokens=steps + 16, ignore_eos=True))
     for _ in range(4):  # admission, prefill and the first decode steps, untimed
         eng.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    cuda = resolve_device(device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
             eng.step()
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
     return {ev.key: (ev.count / steps, ev.self_cpu_time_total / steps, ev.self_device_time_total / steps)
             for ev in prof.key_averages()}
@@ -48,7 +50,7 @@ def per_step(device: str, kernels: str, policy: str, engine: Path, batch: int, s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="auto", help="engine device (auto: the GPU when there is one)")
     ap.add_argument("--kernels", default="auto", choices=("auto", "cuda", "torch"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything from scratch on a fresh Debian machine (idempotent):
-#   .venv with torch 2.13 (CPU), the project (editable) with its test/serve/bench extras,
+#   .venv with torch 2.13 (CPU), the project (editable) with its test/serve/bench/disagg/kernels extras
+#   (kernels: Triton-lang, whose CPU interpreter runs the Triton kernel's tests),
 #   the native build (CPU library, CUDA kernels for sm_80/sm_90 when nvcc exists, TensorRT plugins) + ctest,
 #   the real Triton server (nvidia-pytriton 0.7.0) and perf_analyzer 2.51.
 # Usage: bash scripts/setup.sh            (SKIP_NATIVE=1 / SKIP_TRITON=1 to skip those parts)
@@ -22,7 +23,7 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 log "installing torch 2.13.0 (CPU) and the project"
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q "torch==2.13.0" -e ".[test,serve,bench,disagg]"  # torch pinned with nixl (disagg)
+python -m pip install -q "torch==2.13.0" -e ".[test,serve,bench,disagg,kernels]"  # torch pinned with nixl (disagg)
 
 if [[ "${SKIP_NATIVE:-0}" != 1 ]]; then
   log "native build"

@@ -18,7 +18,10 @@
 #      24.11 line; seen working with perf_analyzer 2.51 — 0.0.16 wants its own perf-analyzer package) and
 #      its dependencies (~650 MB: pandas, pyarrow, plotly,
 #      statsmodels, ...) into .tools/genai-perf/site, outside the project venv, pinned to versions seen
-#      working with numpy<2, and writes the wrapper .tools/bin/genai-perf (`dhisparse-bench --genai-perf`).
+#      working with numpy<2, and writes the wrapper .tools/bin/genai-perf (`dhisparse-bench --genai-perf`);
+#   6. only with WITH_AIPERF=1: installs AIPerf 0.13.0 (genai-perf's successor; it needs numpy 2 and pulls
+#      transformers, datasets, pyarrow, ... ~1.2 GB) into its own virtualenv .tools/aiperf/, and writes the wrapper
+#      .tools/bin/aiperf (`dhisparse-bench --aiperf`, against the OpenAI API).
 # The Triton backend directory itself is assembled by `dhisparse-serve` at every start.
 set -euo pipefail
 
@@ -110,4 +113,24 @@ EOF
     "$TOOLS/bin/genai-perf" --version 2>&1 | grep -q 'genai-perf 0.0.8' \
         || { echo "[setup_triton] genai-perf does not start" >&2; exit 1; }
     echo "[setup_triton] genai-perf: $TOOLS/bin/genai-perf"
+fi
+
+# 6. Optional: AIPerf 0.13 in its own virtualenv (dhisparse-bench --aiperf).
+if [[ "${WITH_AIPERF:-0}" == 1 ]]; then
+    AP="$TOOLS/aiperf"
+    BASE_PY="$("$PY" -c 'import sys; print(sys._base_executable)')"
+    if [[ ! -x "$AP/bin/aiperf" ]]; then
+        "$BASE_PY" -m venv "$AP"
+        "$AP/bin/python" -m pip install --quiet --disable-pip-version-check "aiperf==0.13.0"
+    fi
+    mkdir -p "$TOOLS/bin"
+    cat > "$TOOLS/bin/aiperf" <<EOF
+#!/usr/bin/env bash
+# AIPerf loads a local tokenizer directory only when HF_HUB_OFFLINE is unset (it makes no request for a path)
+unset HF_HUB_OFFLINE
+exec "$AP/bin/aiperf" "\$@"
+EOF
+    chmod +x "$TOOLS/bin/aiperf"
+    "$TOOLS/bin/aiperf" --version 2>&1 | grep -q '0.13.0' || { echo "[setup_triton] aiperf does not start" >&2; exit 1; }
+    echo "[setup_triton] aiperf: $TOOLS/bin/aiperf"
 fi

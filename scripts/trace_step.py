@@ -33,6 +33,7 @@ class StepTracer:
         self.functions: collections.Counter[tuple[str, str]] = collections.Counter()
         self.switches = 0
         self.call_switches = 0  # calls from a project frame into a function of another project file
+        self.edges: collections.Counter[tuple[str, str]] = collections.Counter()  # (caller file, callee function)
         self.stack: list[str | None] = []  # the file of every live frame (None: outside the project)
         self._current: str | None = None
 
@@ -60,6 +61,7 @@ class StepTracer:
             self.stack.append(f)
             if f is not None and caller is not None and caller != f:
                 self.call_switches += 1
+                self.edges[(caller, f"{f}:{frame.f_code.co_qualname}")] += 1
             if f is not None:
                 self.files[f] += 1
                 self.functions[(f, frame.f_code.co_qualname)] += 1
@@ -124,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.add_request(prompt, SamplingParams(max_tokens=args.warm_steps * 8 + 64, ignore_eos=True))
     for _ in range(args.warm_steps):
         engine.step()
-    if engine.waiting or len(engine.running) != args.batch:
-        raise SystemExit(f"expected {args.batch} running requests after warm-up, got {len(engine.running)} "
-                         f"(waiting {len(engine.waiting)})")
+    if engine.scheduler.waiting or len(engine.scheduler.running) != args.batch:
+        raise SystemExit(f"expected {args.batch} running requests after warm-up, got "
+                         f"{len(engine.scheduler.running)} (waiting {len(engine.scheduler.waiting)})")
     tracer = StepTracer()
     sys.settrace(tracer)
     try:
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     print("  files (calls into each):")
     for name, calls in figures["files_entered"].items():
         print(f"    {calls:6d}  {name}")
+    print(f"  calls into another file (top {args.top}, caller file -> function):")
+    for (caller, callee), calls in tracer.edges.most_common(args.top):
+        print(f"    {calls:6d}  {caller} -> {callee}")
     print(f"  functions (top {args.top} by calls):")
     for (name, fn), calls in tracer.functions.most_common(args.top):
         print(f"    {calls:6d}  {name}:{fn}")

@@ -3,7 +3,7 @@
 Regenerates, deterministically (fixed seeds, one torch thread), everything under ``models/demo/``:
 
 * ``target/``  -- a ``glm_moe_dsa`` model (transformers ``GlmMoeDsaForCausalLM``, ``save_pretrained`` safetensors)
-  plus a byte-level ``tokenizer.json`` / ``tokenizer_config.json``;
+  plus a byte-level ``tokenizer.json`` / ``tokenizer_config.json`` and a ``chat_template.jinja``;
 * ``dflash2/`` and ``dspark/`` -- the drafters (``config.json`` + ``model.safetensors``);
 * ``metrics.json`` -- losses, timings and greedy acceptance per gamma.
 
@@ -50,6 +50,14 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] in ('system', 'developer') %}{{ message['content'] }}\n\n"
+    "{% else %}{{ 'ASSISTANT' if message['role'] == 'assistant' else 'USER' }}. {{ message['content'] }}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT. {% endif %}"
+)
+
+
 def build_tokenizer(out_dir: Path) -> None:
     """Write a byte-level ``tokenizer.json`` (token id == byte value, then the specials) and its config."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -76,6 +84,9 @@ def build_tokenizer(out_dir: Path) -> None:
         "clean_up_tokenization_spaces": False,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # A chat template for the OpenAI API's chat completions (the model was never trained on dialogue: a
+    # conversation is laid out like the plays' speeches, and the answer is a continuation in that style).
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     probe = "Who's there? — Nay, answer me: ünïcödé ✓ 漢字 🎭\n"
     ids = tok.encode(probe).ids
     if ids[0] != BOS_ID or ids[1:] != list(probe.encode()) or tok.decode(ids) != probe:

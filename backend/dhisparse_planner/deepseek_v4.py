@@ -24,8 +24,8 @@ import dataclasses
 
 import torch
 
-from dhisparse.engine.v4_hierarchy import csa_layout, entry_rows, tail_state_bytes
 from dhisparse.kv.config import KVConfig
+from dhisparse.kv.deepseek_v4 import csa_layout, entry_rows, tail_state_bytes
 from dhisparse.kv.footprint import request_footprint
 from dhisparse.model.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dhisparse_planner.specs import DRAFTERS, H200, HardwareSpec

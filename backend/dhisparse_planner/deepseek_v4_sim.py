@@ -5,7 +5,7 @@ token-granular ``KVManager``). What it keeps from the planner: the locality mode
 (:class:`~dhisparse_planner.locality.SyntheticSelector`), the speculation model
 (:class:`~dhisparse_planner.speculation.SpeculationModel`), the hardware presets, and admission from the V4
 manager's own footprint (:func:`dhisparse_planner.deepseek_v4.request_split`: ``request_footprint`` over the
-layout ``V4HierarchyKVManager`` builds + ``tail_state_bytes``). The time of a step is
+layout ``V4HierarchyKVStore`` builds + ``tail_state_bytes``). The time of a step is
 :func:`dhisparse_planner.deepseek_v4_time.v4_step_seconds`.
 
 Model of a run (closed loop, ``clients`` requests issued at t = 0, one per client; prefill not modelled: the

@@ -26,6 +26,7 @@ import torch
 
 from dhisparse.kv import KVConfig, KVLayout
 from dhisparse.kv.footprint import request_footprint
+from dhisparse.kv.host_memory import memory_limit_bytes
 from dhisparse_planner.specs import ModelSpec
 
 DTYPE = torch.float32
@@ -140,6 +141,23 @@ def build_scaled_kv(model: ModelSpec, scale: ScaleSpec, policy: str, pool_bytes:
     config.validate_for(layout)
     real_config.validate_for(real_layout)
     return ScaledKV(layout, config, real_layout, real_config, byte_factor, source_factor, g)
+
+
+def check_simulated_host(kvs: ScaledKV, limit: int | None = None) -> None:
+    """Refuse a simulation whose host store this process could not hold, naming the planner's own fields.
+
+    The simulated host store is a real ``HostStore`` of ``host_bytes / F`` bytes (memory is taken only for the pages
+    the run hands out), and the runtime refuses a store larger than this process may use (physical memory or its
+    cgroup limit: ``dhisparse.kv.host_memory``). The planner does not shrink the store to fit (results would then
+    depend on the machine it runs on); it raises ``ValueError`` before the runtime's ``ConfigError`` would, saying
+    which of its figures to change. ``limit`` (bytes) defaults to ``memory_limit_bytes()``."""
+    limit = memory_limit_bytes() if limit is None else limit
+    simulated = kvs.config.host_bytes
+    if simulated > limit:
+        raise ValueError(f"the simulated host store holds {simulated} bytes (HardwareSpec.host_bytes_per_gpu "
+                         f"{kvs.real_config.host_bytes} / byte factor {kvs.byte_factor:.1f}), more than this process "
+                         f"may use ({limit} bytes); raise ScaleSpec.token_scale (now {kvs.token_scale}) or lower "
+                         "host_bytes_per_gpu")
 
 
 def footprint_error(kv: ScaledKV, prompt_tokens: int, output_tokens: int) -> dict[str, float]:

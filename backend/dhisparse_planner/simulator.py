@@ -22,7 +22,7 @@ from dhisparse_planner.locality import SyntheticSelector
 from dhisparse_planner.metrics import summarize
 from dhisparse_planner.overlap import host_overlap
 from dhisparse_planner.real_time import RealTime
-from dhisparse_planner.scale import ScaledKV, ScaleSpec, build_scaled_kv
+from dhisparse_planner.scale import ScaledKV, ScaleSpec, build_scaled_kv, check_simulated_host
 from dhisparse_planner.specs import DRAFTERS, DrafterSpec, HardwareSpec, ModelSpec
 from dhisparse_planner.timing import StepLoad, decode_step_seconds, prefill_seconds
 from dhisparse_planner.workload import ServingSpec, WorkloadSpec
@@ -88,6 +88,7 @@ class Simulator:
                                              serving.max_query_len,
                                              drafter.ring_bytes if (drafter and spec) else 0.0,
                                              host_bytes=hw.host_bytes_per_gpu)
+        check_simulated_host(self.kvs)
         g = self.kvs.token_scale
         self.g = g
         groups = -(-self.kvs.layout.num_layers // model.index_group_size)

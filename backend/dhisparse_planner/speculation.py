@@ -102,7 +102,7 @@ class SpeculationModel:
     long_context_tokens: int = ACCEPTANCE["dflash2"].long_context_tokens
     source_gamma: int = ACCEPTANCE["dflash2"].gamma
     busy_batch: int = defaults.DSPARK_BUSY_BATCH
-    min_confidence: float = 0.3
+    min_confidence: float = defaults.DSPARK_BUSY_CONFIDENCE
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:

@@ -1,6 +1,6 @@
 """Recording the real engine's KV decisions and selections, and replaying them through :class:`EngineCore`.
 
-:class:`RecordingKV` wraps an ``LLMEngine``'s ``kv`` (``engine.kv = RecordingKV(engine.kv)``): it forwards every
+:class:`RecordingKV` wraps an ``LLMEngine``'s KV store (``LLM(..., wrap_kv=RecordingKV)``): it forwards every
 call and records, per engine step, the admissions, the refused admission, the decode batch, the manager's
 counters after the step, and every ``gather``'s positions per request and layer (the selection trace).
 :func:`replay` runs the same requests through :class:`EngineCore` with those positions and returns its

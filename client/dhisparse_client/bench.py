@@ -1,11 +1,15 @@
-"""`dhisparse-bench`: throughput, TTFT and inter-token latency per KV policy, measured by the real perf_analyzer.
+"""`dhisparse-bench`: throughput, TTFT and inter-token latency per KV policy, measured by the real perf_analyzer
+or by AIPerf.
 
 It starts one `dhisparse-serve` per KV policy (same engine, same pool budget) and warms each up; then, for
 every concurrency level and repeat, it runs perf_analyzer 2.51 with `--streaming` over gRPC against each
 policy's ensemble in turn (long Shakespeare prompts cut to `--prompt-tokens`, `max_tokens` fixed; the
 policy order rotates per repeat), stops the servers, and prints a table of medians with ratios against
 the baseline policy measured side by side, and writes `bench.csv` and `bench.png` (plus every
-perf_analyzer report and server log) to `--output-dir`. argparse lives only here.
+perf_analyzer report and server log) to `--output-dir`. With `--aiperf` the servers also serve the OpenAI API
+(`--openai-port`) and AIPerf 0.13 measures it instead (`dhisparse_client.aiperf`: synthetic prompts, or
+multi-turn conversations with `--aiperf-workload multi-turn`); rows, table and plot are the same. argparse lives
+only here.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dhisparse_client.aiperf import WORKLOADS, AIPerfError, Workload, find_aiperf, run_aiperf
 from dhisparse_client.bench_report import (
     BenchRow,
     add_ratios,
@@ -69,6 +74,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--genai-perf", action="store_true",
                    help="also run genai-perf 0.0.8 at every level (WITH_GENAI_PERF=1 scripts/setup_triton.sh)")
     p.add_argument("--genai-perf-interval-ms", type=int, default=4000, help="genai-perf measurement window")
+    a = p.add_argument_group("AIPerf against the OpenAI API (WITH_AIPERF=1 scripts/setup_triton.sh)")
+    a.add_argument("--aiperf", action="store_true",
+                   help="measure with AIPerf 0.13 against each server's OpenAI API instead of perf_analyzer")
+    a.add_argument("--aiperf-workload", choices=WORKLOADS, default="synthetic",
+                   help="synthetic prompts, or multi-turn chat conversations (each turn appends to the history)")
+    a.add_argument("--turns", type=int, default=3, help="turns per conversation (multi-turn)")
+    a.add_argument("--aiperf-endpoint", choices=("chat", "completions"), default="chat",
+                   help="OpenAI endpoint of the synthetic workload (multi-turn always uses chat)")
+    a.add_argument("--aiperf-binary", type=Path, default=None, help="the aiperf command")
+    a.add_argument("--chat-template", type=Path, default=None,
+                   help="chat template for the servers (dhisparse-serve --chat-template), for engines without one")
     return p.parse_args(argv)
 
 
@@ -111,13 +127,17 @@ class PolicyServer:
     grpc_url: str
     out: Path
     failed: bool = False
+    openai_url: str | None = None
+    openai_model: str | None = None
 
 
 def start_server(args: argparse.Namespace, policy: str, warm_prompt: str) -> PolicyServer | None:
     """Start and warm up `dhisparse-serve` for `policy`; None (logged) when it does not come up."""
     out = args.output_dir / policy
     out.mkdir(parents=True, exist_ok=True)
-    extra = ("--disaggregated",) if policy.endswith(DISAGG_SUFFIX) else ()
+    extra: tuple[str, ...] = ("--disaggregated",) if policy.endswith(DISAGG_SUFFIX) else ()
+    if args.aiperf:
+        extra += ("--openai-port", "0") + (("--chat-template", str(args.chat_template)) if args.chat_template else ())
     server = ServeProcess(args.engine, _engine_options(args, policy), log_path=out / "server.log", extra_args=extra)
     started = time.monotonic()
     try:
@@ -130,7 +150,8 @@ def start_server(args: argparse.Namespace, policy: str, warm_prompt: str) -> Pol
         _log(f"{policy}: server failed: {error}")
         return None
     _log(f"{policy}: server ready in {time.monotonic() - started:.1f} s (grpc {endpoints.grpc_url})")
-    return PolicyServer(policy, server, client, endpoints.grpc_url, out)
+    return PolicyServer(policy, server, client, endpoints.grpc_url, out, openai_url=endpoints.openai_url,
+                        openai_model=endpoints.openai_model)
 
 
 def measure(args: argparse.Namespace, target: PolicyServer, binary: Path, input_data: Path, concurrency: int,
@@ -140,16 +161,23 @@ def measure(args: argparse.Namespace, target: PolicyServer, binary: Path, input_
     before = target.client.metrics()
     level_start = time.monotonic()
     try:
-        result = run_level(binary, target.grpc_url, input_data, concurrency, count, target.out, args.model,
-                           args.level_timeout, tag=f"c{concurrency}-r{repeat}")
-    except PerfAnalyzerError as error:
+        if args.aiperf:
+            if target.openai_url is None or target.openai_model is None:
+                raise AIPerfError(f"{target.policy}: the server printed no OpenAI endpoint")
+            result, _ = run_aiperf(binary, target.openai_url, target.openai_model, args.engine, args.workload,
+                                   concurrency, count, target.out, f"aiperf-c{concurrency}-r{repeat}",
+                                   args.level_timeout)
+        else:
+            result = run_level(binary, target.grpc_url, input_data, concurrency, count, target.out, args.model,
+                               args.level_timeout, tag=f"c{concurrency}-r{repeat}")
+    except (PerfAnalyzerError, AIPerfError) as error:
         target.failed = True
         _log(f"{target.policy}: concurrency {concurrency} failed, skipping this policy from now on: {error}")
         return None
     time.sleep(0.6)  # metrics are refreshed every 250 ms by the server
     after = target.client.metrics()
     residency = residency_deltas(before, after)
-    if "generated_tokens" in after:
+    if "generated_tokens" in after and not args.aiperf:  # AIPerf counts the server's tokens itself (usage)
         result = with_token_count(result, after["generated_tokens"] - before.get("generated_tokens", 0.0))
     _log(f"{target.policy}: concurrency {concurrency} repeat {repeat}: {result.token_throughput:.1f} tok/s, "
          f"TTFT {result.ttft_ms:.0f} ms, ITL {result.itl_ms:.1f} ms ({time.monotonic() - level_start:.0f} s)")
@@ -186,17 +214,23 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     baseline = args.baseline if args.baseline in policies else policies[0]
     try:
-        binary = find_perf_analyzer(args.perf_analyzer)
+        binary = find_aiperf(args.aiperf_binary) if args.aiperf else find_perf_analyzer(args.perf_analyzer)
         max_len, max_new = engine_limits(args.engine)
         if not 1 <= args.max_tokens <= max_new:
             raise ValueError(f"--max-tokens must be in 1..{max_new} for this engine")
         prompt_tokens = min(args.prompt_tokens, max_len - args.max_tokens - 2)  # room for BOS
+        if args.aiperf:
+            turns = args.turns if args.aiperf_workload == "multi-turn" else 1
+            # room for the whole conversation, and for a chat template's few tokens per message
+            prompt_tokens = min(prompt_tokens, (max_len - 8) // turns - args.max_tokens - 16)
+            args.workload = Workload(args.aiperf_workload, max(prompt_tokens, 1), args.max_tokens, args.turns,
+                                     "chat" if args.aiperf_workload == "multi-turn" else args.aiperf_endpoint)
         if prompt_tokens < 1:
             raise ValueError(f"--max-tokens {args.max_tokens} leaves no room for a prompt (max_model_len {max_len})")
         text = args.prompt_file.read_text() if args.prompt_file else shakespeare_text()
         prompts = cut_prompts(text, args.engine / "tokenizer.json", args.prompts, prompt_tokens)
         args.prompt_tokens_used = prompt_tokens
-    except (PerfAnalyzerError, ValueError, OSError) as error:
+    except (PerfAnalyzerError, AIPerfError, ValueError, OSError) as error:
         print(f"dhisparse-bench: error: {error}", file=sys.stderr)
         return 2
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -204,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     setup = {"engine": str(args.engine), "policies": policies, "baseline": baseline, "pool_bytes": args.pool_bytes,
              "concurrency": args.concurrency, "repeats": args.repeats, "prompt_tokens": prompt_tokens,
              "max_tokens": args.max_tokens,
-             "model": args.model, "engine_options": args.engine_option, "perf_analyzer": str(binary),
-             "genai_perf": args.genai_perf}
+             "model": args.model, "engine_options": args.engine_option,
+             **({"aiperf": str(binary)} if args.aiperf else {"perf_analyzer": str(binary)}),
+             "genai_perf": args.genai_perf, "tool": "aiperf" if args.aiperf else "perf_analyzer",
+             "aiperf_workload": vars(args.workload) if args.aiperf else None, "command": sys.argv}
     (args.output_dir / "setup.json").write_text(json.dumps(setup, indent=2) + "\n")
     _log(f"{len(policies)} policies x {len(args.concurrency)} levels x {args.repeats} repeats, prompts of "
          f"{prompt_tokens} tokens, max_tokens {args.max_tokens}, output in {args.output_dir}")
@@ -217,8 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows, baseline))
     csv_path = write_csv(rows, args.output_dir / "bench.csv")
     pool = f"pool {args.pool_bytes / 2**20:.2f} MiB" if args.pool_bytes else "engine's pool"
+    if args.aiperf:
+        workload = args.workload
+        what = (f"AIPerf {workload.kind}, {workload.turns} turns of {prompt_tokens} tokens" if
+                workload.kind == "multi-turn" else f"AIPerf {workload.endpoint}, {prompt_tokens}-token prompts")
+        xlabel = f"concurrency (AIPerf, OpenAI /v1/{'chat/' if workload.endpoint == 'chat' else ''}completions, SSE)"
+    else:
+        what, xlabel = f"{prompt_tokens}-token prompts", "concurrency (perf_analyzer --streaming, gRPC)"
     png_path = plot(rows, args.output_dir / "bench.png",
-                    f"{args.engine.name}: {prompt_tokens}-token prompts, {args.max_tokens} new tokens, {pool}")
+                    f"{args.engine.name}: {what}, {args.max_tokens} new tokens, {pool}", xlabel)
     print(f"wrote {csv_path} and {png_path}")
     measured = {(row.policy, row.result.concurrency) for row in rows}
     missing = [(p, c) for p in policies for c in args.concurrency if (p, c) not in measured]

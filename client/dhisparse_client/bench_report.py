@@ -132,7 +132,8 @@ def write_csv(rows: Sequence[BenchRow], path: Path) -> Path:
     return path
 
 
-def plot(rows: Sequence[BenchRow], path: Path, title: str) -> Path:
+def plot(rows: Sequence[BenchRow], path: Path, title: str,
+         xlabel: str = "concurrency (perf_analyzer --streaming, gRPC)") -> Path:
     """PNG with three panels against concurrency: output tokens/s, median TTFT, median ITL; a line per policy."""
     import matplotlib
 
@@ -146,7 +147,7 @@ def plot(rows: Sequence[BenchRow], path: Path, title: str) -> Path:
         mine = sorted((r.result for r in rows if r.policy == policy), key=lambda r: r.concurrency)
         for axis, (metric, label) in zip(axes, panels, strict=True):
             axis.plot([r.concurrency for r in mine], [getattr(r, metric) for r in mine], marker="o", label=policy)
-            axis.set_xlabel("concurrency (perf_analyzer --streaming, gRPC)")
+            axis.set_xlabel(xlabel)
             axis.set_ylabel(label)
             axis.set_xscale("log", base=2)
             axis.set_xticks([r.concurrency for r in mine], [str(r.concurrency) for r in mine])

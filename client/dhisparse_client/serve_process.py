@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _READY = re.compile(r"dhisparse-serve: ready .*http=(\S+) grpc=(\S+) metrics=(\S+) pid=(\d+)")
+_OPENAI = re.compile(r"dhisparse-serve: openai=(\S+) model=(\S+)")
 
 
 class ServeError(RuntimeError):
@@ -34,6 +35,8 @@ class Endpoints:
     grpc_url: str  # host:port
     metrics_url: str  # full URL of /metrics
     triton_pid: int
+    openai_url: str | None = None  # base URL of the OpenAI API (http://host:port/v1) with --openai-port
+    openai_model: str | None = None  # its model id
 
 
 def serve_command() -> list[str]:
@@ -66,6 +69,11 @@ class ServeProcess:
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._output: list[str] = []
 
+    @property
+    def pid(self) -> int | None:
+        """Process id of `dhisparse-serve` (None when not running)."""
+        return self._process.pid if self._process is not None else None
+
     def command(self) -> list[str]:
         """The full `dhisparse-serve` command line."""
         cmd = [*serve_command(), "--engine", str(self.engine), "--http-port", "0", "--grpc-port", "0",
@@ -85,6 +93,7 @@ class ServeProcess:
                                          env=env, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()
         deadline = time.monotonic() + timeout_s
+        openai: tuple[str | None, str | None] = (None, None)
         while True:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -95,10 +104,12 @@ class ServeProcess:
                 code = self._process.wait()
                 self.stop()
                 raise ServeError(f"dhisparse-serve exited with code {code}\n{self.output_tail()}")
+            if match := _OPENAI.search(line):
+                openai = match.groups()
             match = _READY.search(line)
             if match:
                 http, grpc, metrics, pid = match.groups()
-                self.endpoints = Endpoints(http, grpc, metrics, int(pid))
+                self.endpoints = Endpoints(http, grpc, metrics, int(pid), *openai)
                 return self.endpoints
 
     def _read(self) -> None:

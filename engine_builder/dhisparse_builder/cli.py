@@ -20,7 +20,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, type=Path, help="engine directory to create")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight/compute dtype")
     p.add_argument("--force", action="store_true", help="overwrite an existing engine directory")
-    p.add_argument("--drafter", action="append", type=Path, default=[], help="drafter checkpoint to pack (repeatable)")
+    p.add_argument("--drafter", action="append", type=Path, default=[],
+                   help="drafter checkpoint to pack (repeatable): ours, z-lab DFlash, DFlash2, DeepSpec DSpark or a "
+                        "DeepSeek-V4 checkpoint with DSpark stages; packed under drafters/<family>")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="Jinja2 chat template for the OpenAI API's chat completions (written as chat_template.jinja; "
+                        "default: the checkpoint's chat_template.jinja or tokenizer_config.json entry, if any)")
     g = p.add_argument_group("runtime defaults (runtime.json; each can be overridden by LLM(...) / dhisparse-serve)")
     g.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
     g.add_argument("--pool-bytes", type=lambda v: 0 if v == "auto" else int(v), default=None,
@@ -30,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--reserve-bytes", type=int, default=None, help="admission reserve in bytes")
     g.add_argument("--max-batch-size", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--speculative", choices=["dflash2", "dspark"], default=None)
+    g.add_argument("--speculative", choices=["dflash", "dflash2", "dspark"], default=None,
+                   help="drafter family served by default (packed with --drafter)")
     g.add_argument("--num-draft-tokens", type=int, default=None)
     return p.parse_args(argv)
 
@@ -44,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             runtime[name] = value
     try:
-        out = build_engine(BuildOptions(args.checkpoint, args.output, runtime, tuple(args.drafter), args.force))
+        out = build_engine(BuildOptions(args.checkpoint, args.output, runtime, tuple(args.drafter), args.force,
+                                        args.chat_template))
     except DHiSparseError as exc:
         print(f"dhisparse-build: error: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ using dhisparse::LaunchPlan;
 using dhisparse::ResolverArgs;
 using dhisparse::RowCopyArgs;
 using dhisparse::SparseMlaArgs;
+using dhisparse::StepResolveArgs;
 
 //! Writes values into out[0..cap) and counts them all.
 class Writer
@@ -93,6 +94,22 @@ int32_t dhs_launch_layout(int32_t kind, int64_t* out, int32_t cap)
           << off(offsetof(SparseMlaArgs, q_pe)) << off(offsetof(SparseMlaArgs, kv))
           << off(offsetof(SparseMlaArgs, locations)) << off(offsetof(SparseMlaArgs, out_lat));
         return w.count();
+    case DHS_LAUNCH_STEP_RESOLVER:
+#define DHS_STEP_FIELD(name) << off(offsetof(StepResolveArgs, name))
+        w << off(sizeof(StepResolveArgs)) DHS_STEP_FIELD(batch) DHS_STEP_FIELD(n) DHS_STEP_FIELD(groups)
+            DHS_STEP_FIELD(hot_rows) DHS_STEP_FIELD(page_rows) DHS_STEP_FIELD(num_pages) DHS_STEP_FIELD(host_num_pages)
+            DHS_STEP_FIELD(num_sources) DHS_STEP_FIELD(num_slots) DHS_STEP_FIELD(staging_rows) DHS_STEP_FIELD(staging_count)
+            DHS_STEP_FIELD(table_row_stride) DHS_STEP_FIELD(table_source_stride) DHS_STEP_FIELD(hot_slot_stride)
+            DHS_STEP_FIELD(hot_source_stride) DHS_STEP_FIELD(host_slot_stride) DHS_STEP_FIELD(host_source_stride)
+            DHS_STEP_FIELD(staging_slot_stride) DHS_STEP_FIELD(staging_group_stride) DHS_STEP_FIELD(stamp)
+            DHS_STEP_FIELD(positions) DHS_STEP_FIELD(lengths) DHS_STEP_FIELD(sources) DHS_STEP_FIELD(slots)
+            DHS_STEP_FIELD(page_table) DHS_STEP_FIELD(hot_pos) DHS_STEP_FIELD(hot_stamp) DHS_STEP_FIELD(hot_loc)
+            DHS_STEP_FIELD(host_pages) DHS_STEP_FIELD(staging_slots) DHS_STEP_FIELD(staging_loc)
+            DHS_STEP_FIELD(locations) DHS_STEP_FIELD(steps)
+            DHS_STEP_FIELD(fetch_src) DHS_STEP_FIELD(fetch_dst) DHS_STEP_FIELD(counts) DHS_STEP_FIELD(staged)
+            DHS_STEP_FIELD(flags);
+#undef DHS_STEP_FIELD
+        return w.count();
     case DHS_LAUNCH_PLAN:
         w << off(sizeof(LaunchPlan)) << off(offsetof(LaunchPlan, status)) << off(offsetof(LaunchPlan, grid_x))
           << off(offsetof(LaunchPlan, grid_y)) << off(offsetof(LaunchPlan, block))
@@ -135,12 +152,31 @@ int32_t dhs_launch_fields(int32_t kind, void const* args, int64_t* out, int32_t 
           << a.locations << static_cast<void const*>(a.out_lat);
         return w.count();
     }
+    if (kind == DHS_LAUNCH_STEP_RESOLVER)
+    {
+        StepResolveArgs a;
+        std::memcpy(&a, args, sizeof a);
+        w << a.batch << a.n << a.groups << a.hot_rows << a.page_rows << a.num_pages << a.host_num_pages
+          << a.num_sources << a.num_slots << a.staging_rows << a.staging_count << a.table_row_stride << a.table_source_stride
+          << a.hot_slot_stride << a.hot_source_stride << a.host_slot_stride << a.host_source_stride
+          << a.staging_slot_stride << a.staging_group_stride << a.stamp << static_cast<void const*>(a.positions)
+          << static_cast<void const*>(a.lengths) << static_cast<void const*>(a.sources)
+          << static_cast<void const*>(a.slots) << static_cast<void const*>(a.page_table)
+          << static_cast<void const*>(a.hot_pos) << static_cast<void const*>(a.hot_stamp)
+          << static_cast<void const*>(a.hot_loc) << static_cast<void const*>(a.host_pages)
+          << static_cast<void const*>(a.staging_slots) << static_cast<void const*>(a.staging_loc)
+          << static_cast<void const*>(a.locations)
+          << static_cast<void const*>(a.steps) << static_cast<void const*>(a.fetch_src)
+          << static_cast<void const*>(a.fetch_dst) << static_cast<void const*>(a.counts)
+          << static_cast<void const*>(a.staged) << static_cast<void const*>(a.flags);
+        return w.count();
+    }
     return -1;
 }
 
 int32_t dhs_launch_plan(int32_t kind, void const* args, void* plan)
 {
-    if (kind < DHS_LAUNCH_RESOLVER || kind > DHS_LAUNCH_SPARSE_MLA)
+    if (kind < DHS_LAUNCH_RESOLVER || kind == DHS_LAUNCH_PLAN || kind > DHS_LAUNCH_STEP_RESOLVER)
     {
         return -1;
     }

@@ -12,7 +12,7 @@ namespace
 {
 
 // Every field of DhsStepArgs is 8 bytes, in declaration order (native.py packs it as an int64 array).
-static_assert(sizeof(DhsStepArgs) == 32 * sizeof(int64_t), "DhsStepArgs layout");
+static_assert(sizeof(DhsStepArgs) == 39 * sizeof(int64_t), "DhsStepArgs layout");
 static_assert(offsetof(DhsStepArgs, counts) == 31 * sizeof(int64_t), "DhsStepArgs layout");
 static_assert(sizeof(DhsSetupArgs) == 19 * sizeof(int64_t), "DhsSetupArgs layout");
 static_assert(offsetof(DhsSetupArgs, out) == 18 * sizeof(int64_t), "DhsSetupArgs layout");
@@ -126,9 +126,15 @@ int32_t resolve_step(DhsStepArgs const& a)
     {
         return -1;
     }
+    bool const staged_step = a.staging_rows > 0 && a.staging_loc != nullptr;
+    if (a.staging_rows < 0 || (staged_step && (a.staging_slots == nullptr || a.staged == nullptr)))
+    {
+        return -1;
+    }
     for (int64_t g = 0; g < a.groups; ++g)
     {
-        if (a.sources[g] < 0 || a.sources[g] >= a.num_sources)
+        if (a.sources[g] < 0 || a.sources[g] >= a.num_sources
+            || (staged_step && (a.staging_slots[g] < 0 || a.staging_slots[g] >= a.staging_count)))
         {
             return -1;
         }
@@ -187,6 +193,7 @@ int32_t resolve_step(DhsStepArgs const& a)
     Strided3 const hot_stamp{a.hot_stamp, a.hot_slot_stride, a.hot_source_stride};
     Strided3 const hot_loc{const_cast<int64_t*>(a.hot_loc), a.hot_slot_stride, a.hot_source_stride};
     Strided3 const host{const_cast<int64_t*>(a.host_pages), a.host_slot_stride, a.host_source_stride};
+    bool const staging = staged_step;
     for (int64_t g = 0; g < a.groups; ++g)
     {
         int64_t const source = a.sources[g];
@@ -196,8 +203,12 @@ int32_t resolve_step(DhsStepArgs const& a)
         for (int64_t b = 0; b < a.batch; ++b)
         {
             int64_t const slot = a.slots[b];
+            int64_t const* const staging_loc = staging
+                ? a.staging_loc + slot * a.staging_slot_stride + a.staging_slots[g] * a.staging_group_stride
+                : nullptr;
             dhisparse::SourceView<int64_t> const view{a.page_rows, a.stamp, table.at(b, source), a.num_pages,
-                hot_pos.at(slot, source), hot_stamp.at(slot, source), hot_loc.at(slot, source), a.hot_rows};
+                hot_pos.at(slot, source), hot_stamp.at(slot, source), hot_loc.at(slot, source), a.hot_rows,
+                staging_loc, staging ? a.staging_rows : 0};
             dhisparse::ResolveOutputs<int64_t> const out{a.locations + (g * a.batch + b) * n, steps.data(),
                 copy_position.data(), copy_slot.data(), copy_location.data(), summary};
             int32_t const status = dhisparse::resolve_source<int64_t>(view, a.positions + b * n, n, scratch, out);
@@ -218,6 +229,10 @@ int32_t resolve_step(DhsStepArgs const& a)
             int64_t const* const pages = a.host_pages != nullptr ? host.at(slot, source) : nullptr;
             for (int64_t c = 0; c < copies; ++c)
             {
+                if (staging && copy_slot[c] < 0)
+                {
+                    ++a.staged[b];
+                }
                 int64_t const page = copy_position[c] / a.page_rows;
                 int64_t const host_page = pages != nullptr && page < a.host_num_pages ? pages[page] : -1;
                 if (host_page < 0)

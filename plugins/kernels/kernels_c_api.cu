@@ -11,13 +11,19 @@ extern "C" {
 //! Bumped whenever a signature or an argument struct changes (same number as the CPU library's contract).
 int32_t dhs_cuda_abi_version(void)
 {
-    return 2;
+    return 3;
 }
 
 int32_t dhs_cuda_launch_resolver(dhisparse::ResolverArgs const* args, void* workspace, void* stream)
 {
     return static_cast<int32_t>(
         dhisparse::cuda::launch_resolver(*args, workspace, static_cast<cudaStream_t>(stream)));
+}
+
+int32_t dhs_cuda_launch_step_resolver(dhisparse::StepResolveArgs const* args, void* workspace, void* stream)
+{
+    return static_cast<int32_t>(
+        dhisparse::cuda::launch_step_resolver(*args, workspace, static_cast<cudaStream_t>(stream)));
 }
 
 int32_t dhs_cuda_launch_row_copy(dhisparse::RowCopyArgs const* args, void* stream)

@@ -38,3 +38,25 @@ def test_double_free_is_refused() -> None:
     arena.free(offset, 10)
     with pytest.raises(ValueError, match="already free"):
         arena.free(offset, 10)
+
+
+def test_exporter_arenas_stay_within_their_limit() -> None:
+    """The context side never registers more than ``arena_limit_bytes``: a history that does not fit fails that
+    prefill (a TransferError naming the limit); once regions are released the same history fits again."""
+    import pytest
+
+    pytest.importorskip("nixl._api", reason="NIXL (nixl==1.5.1) is not installed")
+    from dhisparse.disagg.nixl_transfer import NixlExporter, TransferError
+
+    exporter = NixlExporter("arena-limit-test", arena_bytes=1 << 20, arena_limit_bytes=2 << 20)
+    try:
+        exporter.publish("a/0/r0", 700 << 10)
+        exporter.publish("a/1/r1", 700 << 10)  # a second arena, up to the limit
+        with pytest.raises(TransferError, match="arena_limit_bytes = 2097152"):
+            exporter.publish("a/2/r2", 700 << 10)
+        assert exporter.stats()["arena_bytes"] <= 2 << 20
+        assert exporter.cancel("r0") == ["a/0/r0"]
+        exporter.publish("a/3/r3", 700 << 10)  # fits in the freed range
+        assert exporter.stats()["arena_bytes"] <= 2 << 20
+    finally:
+        exporter.close()

@@ -44,9 +44,10 @@ def sides(tiny_engine):
 
 def _check_transfers(engine) -> None:
     """A request whose READ is in flight holds its admission and a batch slot, and is neither waiting nor running."""
+    scheduler = engine.engine.scheduler
     for request_id, (req, _, _, _) in engine.transferring.items():
-        assert req.kv_admitted and req not in engine.waiting and req not in engine.running, request_id
-    assert len(engine.running) + len(engine.transferring) <= engine.cfg.max_batch_size
+        assert req.kv_admitted and req not in scheduler.waiting and req not in scheduler.running, request_id
+    assert len(scheduler.running) + len(engine.transferring) <= engine.engine.cfg.max_batch_size
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["import", "import", "fail", "cancel", "step", "step"]),

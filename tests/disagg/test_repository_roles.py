@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from dhisparse.disagg.repository import DisaggregatedOptions, fill_disaggregated_repository
 from dhisparse.serving.cli import _disaggregated_options, parse_args
+from dhisparse.serving.disagg_repository import DisaggregatedOptions, fill_disaggregated_repository
 from dhisparse.serving.repository import RepositorySpec
 
 
@@ -26,16 +27,32 @@ def _parameter(config: Path, key: str) -> str:
     return text.split(marker, 1)[1].split('"', 1)[0]
 
 
-def test_each_role_fills_its_models_and_parameters(spec: RepositorySpec, tmp_path: Path) -> None:
+def test_each_role_fills_its_models_and_parameters(spec: RepositorySpec, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # auto: the interface of the address
     both = fill_disaggregated_repository(spec, tmp_path / "both")
     assert set(both) == {"context", "generation", "disaggregated_serving_bls", "preprocessing", "postprocessing",
                          "ensemble"}
     assert _parameter(tmp_path / "both" / "disaggregated_serving_bls" / "config.pbtxt", "context_url") == ""
 
-    options = DisaggregatedOptions("context", nixl_agent_name="host-a", hold_timeout_s=90)
+    # one key for the whole deployment: a fresh one in the repository (mode 0600, never a parameter value)
+    key = Path(_parameter(tmp_path / "both" / "context" / "config.pbtxt", "auth_key_file"))
+    assert key.parent == tmp_path / "both" / ".dhisparse" and key.stat().st_mode & 0o077 == 0
+    assert {_parameter(tmp_path / "both" / m / "config.pbtxt", "auth_key_file")
+            for m in ("context", "generation", "disaggregated_serving_bls")} == {str(key)}
+    assert _parameter(tmp_path / "both" / "context" / "config.pbtxt", "nixl.ucx_net_devices") == "lo"  # loopback
+    assert _parameter(tmp_path / "both" / "generation" / "config.pbtxt", "nixl.ucx_net_devices") == "lo"
+
+    with pytest.raises(ValueError, match="share one key file"):  # two hosts: the operator gives both the same key
+        fill_disaggregated_repository(spec, tmp_path / "a", None, DisaggregatedOptions("context"))
+    spec = dataclasses.replace(spec, auth_key_file=key)
+    options = DisaggregatedOptions("context", nixl_agent_name="host-a", hold_timeout_s=90, arena_limit_bytes=1 << 24,
+                                   address="0.0.0.0")
     assert fill_disaggregated_repository(spec, tmp_path / "a", None, options) == ["context"]
     assert _parameter(tmp_path / "a" / "context" / "config.pbtxt", "nixl.agent_name") == "host-a-context"
     assert _parameter(tmp_path / "a" / "context" / "config.pbtxt", "nixl.hold_timeout_s") == "90"
+    assert _parameter(tmp_path / "a" / "context" / "config.pbtxt", "nixl.arena_limit_bytes") == str(1 << 24)
+    assert _parameter(tmp_path / "a" / "context" / "config.pbtxt", "nixl.ucx_net_devices") == ""  # every interface
+    assert _parameter(tmp_path / "a" / "context" / "config.pbtxt", "auth_key_file") == str(key)
 
     options = DisaggregatedOptions("generation", "10.0.0.1:8001", "host-b", transfer_timeout_s=5)
     models = fill_disaggregated_repository(spec, tmp_path / "b", None, options)
@@ -54,6 +71,9 @@ def test_each_role_fills_its_models_and_parameters(spec: RepositorySpec, tmp_pat
     ({"role": "generation", "context_url": "no-port"}, "context_url"),
     ({"nixl_agent_name": "a b"}, "nixl_agent_name"),
     ({"hold_timeout_s": 0}, "hold_timeout_s"),
+    ({"arena_limit_bytes": 1000}, "arena_limit_bytes"),
+    ({"ucx_net_devices": "lo; rm"}, "ucx_net_devices"),
+    ({"address": "192.0.2.254"}, "ucx-net-devices"),
 ])
 def test_bad_options_are_refused_by_name(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):

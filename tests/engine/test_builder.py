@@ -104,3 +104,37 @@ def test_bad_runtime_option_is_refused_before_conversion(tiny_checkpoint, tmp_pa
     assert main(["--checkpoint", str(tiny_checkpoint("glm_fsfs_sparse")), "--output", str(tmp_path / "e"),
                  "--page-rows", "0"]) == 2
     assert "page_rows must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("victim", ["file", "empty", "foreign", "engine_plus"])
+def test_force_refuses_paths_that_are_not_engine_directories(tiny_checkpoint, tmp_path, capsys, victim):
+    """`--force` replaces an engine directory only: a file, an empty or foreign directory, or an engine directory
+    holding anything else is refused and left as it was."""
+    ckpt = tiny_checkpoint("glm_fsfs_sparse")
+    out = tmp_path / "target"
+    if victim == "file":
+        out.write_text("precious")
+    else:
+        out.mkdir()
+        if victim == "foreign":
+            (out / "notes.txt").write_text("precious")
+    if victim == "engine_plus":
+        shutil.rmtree(out)
+        assert main(["--checkpoint", str(ckpt), "--output", str(out)]) == 0
+        (out / "notes.txt").write_text("precious")
+    before = sorted(p.name for p in out.iterdir()) if out.is_dir() else out.read_text()
+    capsys.readouterr()
+    assert main(["--checkpoint", str(ckpt), "--output", str(out), "--force"]) == 2
+    assert "--force replaces only an engine directory" in capsys.readouterr().err
+    assert (sorted(p.name for p in out.iterdir()) if out.is_dir() else out.read_text()) == before
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd.safetensors", "sub/../../x.safetensors",
+                                   "model.bin"])
+def test_index_shard_paths_are_confined_to_the_checkpoint(tiny_checkpoint, tmp_path, shard):
+    src = _copy(tiny_checkpoint("glm_fsfs_sparse"), tmp_path)
+    weights = load_file(str(src / "model.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {name: shard for name in weights}}))
+    with pytest.raises(CheckpointError, match="shard"):
+        _build(src, tmp_path)
+    assert not (tmp_path / "out").exists()

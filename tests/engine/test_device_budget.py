@@ -12,8 +12,8 @@ from memory_peak import peak_bytes
 from tiny_models import build_spec_engine, random_prompts
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.engine.kv_factory import make_kv_manager
 from dhisparse.kv.batch_state import BatchState
+from dhisparse.kv.factory import make_kv_store
 
 
 def _old_key_slots_bytes(kv) -> int:
@@ -33,7 +33,10 @@ def test_kv_state_is_the_pool_plus_the_fixed_part_of_the_bound(tiny_engine) -> N
     bound = engine.workspace
     # Building the KV side allocates the arena and the fixed state, nothing else, and the bound counts the latter.
     made = []
-    built = peak_bytes(lambda: made.append(make_kv_manager(engine.model.cfg, engine.cfg, engine.query_len)))
+    kv_config = engine.cfg.kv_config(engine.executor.query_len, 0, engine.max_model_len)
+    built = peak_bytes(lambda: made.append(make_kv_store(engine.model.cfg, policy=engine.cfg.kv_policy,
+                                                         dtype=engine.cfg.torch_dtype, device=engine.model.device,
+                                                         kv_config=kv_config)))
     assert made[0].batch.nbytes == kv.batch.nbytes == BatchState.size_bytes(kv.layout, kv.config)
     assert built <= pool + bound.kv_fixed_bytes, (built, pool, bound.kv_fixed_bytes)
     assert kv.pool.num_pages * kv.pool.page_bytes <= pool

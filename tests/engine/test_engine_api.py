@@ -107,7 +107,7 @@ def test_continuous_batching_respects_max_batch_and_queues(llm):
     max_running = 0
     while eng.has_unfinished():
         eng.step()
-        max_running = max(max_running, len(eng.running))
+        max_running = max(max_running, len(eng.scheduler.running))
     assert max_running == 3
     outs = [eng.pop_finished(i) for i in ids]
     assert [len(o.output_token_ids) for o in outs] == [6 + i for i in range(7)]

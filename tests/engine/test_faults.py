@@ -83,7 +83,7 @@ def _assert_idle(llm: LLM) -> None:
     stats = kv.stats()
     assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == 0
     assert stats["kv_host_pages_used"] == 0 and stats["kv_requests_running"] == 0
-    assert not llm.engine.requests and not llm.engine.running and not llm.engine.waiting
+    assert not llm.engine.requests and not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
 CASES = [

@@ -10,7 +10,7 @@ from tiny_models import random_prompts
 from torch.overrides import TorchFunctionMode
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.kv.host_sync import HostSync
+from dhisparse.host_values import HostSync
 
 # Tensor operations that hand a value to the host (a device synchronisation on a GPU).
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,

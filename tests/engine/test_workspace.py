@@ -12,8 +12,8 @@ from memory_peak import peak_bytes
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.engine.prefill_stream import StreamedPrefillKV
 from dhisparse.engine.workspace import workspace_bound
+from dhisparse.kv.prefill_stream import StreamedPrefillKV
 from dhisparse.model import attention
 from dhisparse.model.weights import read_config
 
@@ -34,7 +34,7 @@ def test_forward_allocations_stay_within_pool_plus_workspace_bound(tiny_engine, 
     assert llm.stats()["workspace_bound_bytes"] == bound
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     llm.generate(random_prompts([20], 96, seed=1), params)  # allocates the host store's chunk (host memory)
-    assert llm.engine.streams_prefill  # hisparse: prompts stream into their host pages chunk by chunk
+    assert llm.engine.kv.stream_prefill  # hisparse: prompts stream into their host pages chunk by chunk
     for length in (64, 256):
         prompt = random_prompts([length], 96, seed=length)
         peak = peak_bytes(lambda p=prompt: llm.generate(p, params))
@@ -91,8 +91,9 @@ def test_streamed_prefill_holds_one_chunk_of_rows_on_the_device(tiny_engine, mon
     length, chunk = 160, 32
     prompt = random_prompts([length], 96, seed=3)[0]
     assert kv.try_admit("r", length, 2)
-    row_index = kv.history_host_rows("r")
-    store = StreamedPrefillKV(kv.layout, kv.host.rows, row_index, chunk, model.dtype, model.device)
+    target = kv.import_target("r")
+    row_index = target.row_index
+    store = StreamedPrefillKV(kv.layout, target.rows, row_index, chunk, model.dtype, model.device)
     got: list = []
     streamed = peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk, store=store)))
     local = peak_bytes(lambda: got.append(model.prefill(prompt, chunk_tokens=chunk)))
@@ -103,7 +104,7 @@ def test_streamed_prefill_holds_one_chunk_of_rows_on_the_device(tiny_engine, mon
     assert torch.equal(host_rows, want.rows)
     rows_past_one_chunk = (length - chunk) * model.cfg.num_hidden_layers * model.cfg.row_dim * 4
     assert local - streamed >= 0.9 * rows_past_one_chunk, (local, streamed, rows_past_one_chunk)
-    kv.import_host_history("r", out.index_keys)
+    kv.import_prompt("r", None, out.index_keys)
     kv.release("r")
     kv.check_invariants()
 

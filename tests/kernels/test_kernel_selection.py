@@ -14,6 +14,7 @@ import torch
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.errors import ConfigError
+from dhisparse.kernels.resolver import Resolution
 from dhisparse.kernels.selection import select_kernels
 from dhisparse.kernels.self_check import (
     KernelSelfCheckError,
@@ -22,7 +23,6 @@ from dhisparse.kernels.self_check import (
     run_self_check,
 )
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kv.resolver import Resolution
 
 CPU = torch.device("cpu")
 
@@ -58,6 +58,20 @@ class PerturbedAttention(TorchKernels):
         return out
 
 
+class WrongFetch(TorchKernels):
+    """Resolves the step correctly, then sends one copy to the wrong arena row."""
+
+    name = "cuda"
+
+    def resolve_step(self, *args, **kwargs) -> None:
+        super().resolve_step(*args, **kwargs)
+        out = args[-1]
+        dst = out["fetch_dst"].view(-1)
+        first = torch.nonzero(dst >= 0)
+        if first.numel():
+            dst[int(first[0, 0])] += 1
+
+
 def on_cpu(kernels, device):
     """The engine's self-check, run on CPU tensors (the stand-ins are torch code)."""
     return run_self_check(kernels, CPU)
@@ -65,13 +79,13 @@ def on_cpu(kernels, device):
 
 def test_the_reference_passes_its_own_self_check() -> None:
     results = run_self_check(TorchKernels(), CPU)
-    assert {r.kernel for r in results} == {"resolver", "row_copy", "sparse_mla"}
+    assert {r.kernel for r in results} == {"resolver", "step_resolver", "row_copy", "sparse_mla"}
     assert failures(results) is None
 
 
 @pytest.mark.parametrize(("standin", "kernel", "what"), [
     (CorruptOneCopiedRow, "row_copy", "row "), (WrongLocation, "resolver", "locations["),
-    (PerturbedAttention, "sparse_mla", "out_lat["),
+    (PerturbedAttention, "sparse_mla", "out_lat["), (WrongFetch, "step_resolver", "fetch_dst"),
 ])
 def test_self_check_rejects_a_kernel_wrong_in_one_place(standin, kernel, what) -> None:
     results = run_self_check(standin(), CPU)

@@ -1,11 +1,12 @@
-"""The KV step's device-kernel path (``dhisparse.kv.kernel_step``) driven on CPU by torch stand-ins.
+"""The KV step's device-kernel path (``dhisparse.kv.resolution.cuda``) driven on CPU by stand-ins.
 
-On a GPU the step resolves with the resolver kernel's padded output, computes host rows on the device, issues
-one row-copy launch per source on the copy stream (``CopyEngine.issue_gather``), lets readers wait on the copy
-instead of the host, and attends with the sparse MLA kernel over arena locations. Here the same plumbing runs
-with stand-ins that compute the kernels' outputs with torch (the resolver's padded form from the reference;
-attention with the model's own arithmetic), so any mistake in the plumbing — wrong host row, wrong slot, lost
-hot-cache update, a fetch read before it is done — changes the tokens or the statistics.
+On a GPU the step resolves each index group with one step-resolver launch (hot state updated in the batch state's
+slots, fetch lists, counts and flags written by the kernel), issues one row-copy launch per source on the copy
+stream (``CopyEngine.issue_gather``), lets readers wait on the copy instead of the host, and attends with the
+sparse MLA kernel over arena locations. Here the same plumbing runs with stand-ins: the step resolver is **the
+kernel's own block code** executed on the CPU by the native library (``abi.emulate_launch``), the row copy and
+attention are torch. Any mistake in the plumbing or the kernel — wrong host row, wrong slot, lost hot-cache update,
+a fetch read before it is done, a staging row misplaced — changes the tokens or the statistics.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
 from dhisparse.errors import ConfigError, RequestFailedError
-from dhisparse.kernels import selection
+from dhisparse.kernels import abi, native, selection
+from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kernels.selection import KernelSelection
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kv.resolver import HotCacheOverflowError
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU library not built (the step resolver's "
+                                "block code runs on the CPU through it); run scripts/setup_native.sh")
 
 
 class DevicePathStandIn(TorchKernels):
@@ -29,12 +33,18 @@ class DevicePathStandIn(TorchKernels):
     on_device = True
 
     def __init__(self) -> None:
-        self.calls = {"resolve_padded": 0, "copy_rows": 0, "sparse_mla": 0}
+        self.calls = {"resolve_step": 0, "copy_rows": 0, "sparse_mla": 0}
+        self.groups: list[int] = []  # sources per step-resolver launch
         self.hosts: list[torch.Tensor] = []  # what each row copy read from
 
-    def resolve_padded(self, *args, **kwargs):
-        self.calls["resolve_padded"] += 1
-        return super().resolve_padded(*args, **kwargs)
+    def resolve_step(self, stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp, hot_loc,
+                     host_pages, staging, page_rows, out) -> None:
+        """The CUDA step resolver's block code, run on the CPU over the same tensors (``dhs_emulate_launch``)."""
+        self.calls["resolve_step"] += 1
+        self.groups.append(sources.numel())
+        args = abi.pack_step_resolver(stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp,
+                                      hot_loc, host_pages, staging, page_rows, out)
+        assert abi.emulate_launch(abi.KIND_STEP_RESOLVER, args) == abi.PLAN_OK
 
     def copy_rows(self, host_rows, device_rows, src_rows, dst_rows, stream=None) -> None:
         self.calls["copy_rows"] += 1
@@ -81,7 +91,8 @@ def test_device_path_gives_the_torch_path_tokens_and_statistics(tiny_engine, sta
         assert now[name] == ref[name], name
     assert now["kv_rows_host"] > 0  # the fetch path really ran
     assert all(count > 0 for count in standin.calls.values()), standin.calls
-    assert standin.calls["resolve_padded"] == now["kv_resolver_calls"]
+    assert sum(standin.groups) == now["kv_resolver_calls"]  # every source resolved by a launch …
+    assert standin.calls["resolve_step"] < now["kv_resolver_calls"] and max(standin.groups) == 2  # … a group per launch
     llm.engine.kv.poll()
     llm.engine.kv.check_invariants()
 
@@ -112,18 +123,38 @@ def test_device_path_reads_a_many_chunk_host_store_with_one_launch_per_fetch(tin
     store = llm.engine.kv.host.rows
     assert len(store.chunks) > 8 and now["kv_rows_host"] > 0
     span = store.mapped(torch.device("cpu")).span
-    assert 0 < standin.calls["copy_rows"] <= standin.calls["resolve_padded"]  # one launch per fetch, not per chunk
+    assert 0 < standin.calls["copy_rows"] <= sum(standin.groups)  # one launch per source's fetch, not per chunk
     assert all(h.data_ptr() == span.data_ptr() and h.shape == span.shape for h in standin.hosts)
     llm.engine.kv.poll()
     llm.engine.kv.check_invariants()
 
 
-def test_device_path_reports_a_hot_cache_overflow_when_the_copy_completes(tiny_engine) -> None:
+def test_device_path_speculative_steps_stage_rows_like_the_torch_path(tiny_checkpoint, tmp_path, standin) -> None:
+    """Verification steps (γ + 1 queries, a union larger than the hot cache): the step resolver takes staging rows
+    for the misses past the evictable slots, as the torch resolver does: same tokens, same statistics."""
+    from tiny_models import build_spec_engine
+
+    engine_dir = build_spec_engine(tmp_path, tiny_checkpoint("glm_fsfs_sparse"))
+    prompts = random_prompts([23, 70], 96, seed=8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    options = {"kv_policy": "hisparse", "page_rows": 4, "speculative": "dflash2", "num_draft_tokens": 3}
+    ref_llm = LLM(engine_dir, kernels="torch", **options)
+    expected = [o.token_ids for o in ref_llm.generate(prompts, params)]
+    llm = LLM(engine_dir, **options)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    ref, now = ref_llm.stats(), llm.stats()
+    for name in ("kv_rows_direct", "kv_rows_hot", "kv_rows_host", "kv_rows_staged", "kv_resolver_calls"):
+        assert now.get(name) == ref.get(name), name
+    assert now["kv_rows_staged"] > 0 and standin.calls["resolve_step"] > 0  # staging really ran, on the kernel
+    llm.engine.kv.poll()
+    llm.engine.kv.check_invariants()
+
+
+def test_device_path_reports_a_hot_cache_overflow_at_the_end_of_the_step(tiny_engine) -> None:
     class Overflowing(DevicePathStandIn):
-        def resolve_padded(self, *args, **kwargs):
-            out = super().resolve_padded(*args, **kwargs)
-            out["summary"][0, 0] = 1  # what the kernel writes when a row's misses exceed its free slots
-            return out
+        def resolve_step(self, *args, **kwargs):
+            super().resolve_step(*args, **kwargs)
+            args[-1]["flags"] |= native.STEP_HOT_CACHE_OVERFLOW  # what the kernel sets when a row overflows
 
     engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
     kernels = Overflowing()
@@ -134,7 +165,7 @@ def test_device_path_reports_a_hot_cache_overflow_when_the_copy_completes(tiny_e
         llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     out = failure.value.outputs[0]
     assert out.finish_reason == "error"
-    assert HotCacheOverflowError.__name__ in out.error and "resolver kernel" in out.error
+    assert HotCacheOverflowError.__name__ in out.error and "hot cache overflowed" in out.error
 
 
 def test_the_engine_selects_torch_on_cpu_and_refuses_cuda_kernels(tiny_engine) -> None:

@@ -13,7 +13,7 @@ from tiny_models import random_prompts
 from tiny_v4 import make_v4_checkpoint
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.engine.v4_hierarchy import V4HierarchyKVManager
+from dhisparse.kv.deepseek_v4 import V4HierarchyKVStore
 from dhisparse.model.deepseek_v4.kv_state import V4StepKV
 
 PROMPTS = random_prompts([1, 13, 30, 45, 7], 97, seed=11)
@@ -61,7 +61,7 @@ def test_every_policy_matches_the_dense_store(policy, v4_engine, dense_tokens):
     outs = llm.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in outs] == dense_tokens
     kv = llm.engine.kv
-    assert isinstance(kv, V4HierarchyKVManager)
+    assert isinstance(kv, V4HierarchyKVStore)
     kv.check_invariants()
     stats = llm.stats()
     assert stats["kv_resolved_rows"] > 0
@@ -112,9 +112,9 @@ def test_shared_source_resolves_once_per_step(v4_engine):
     calls: list[int] = []
     end_step = kv.end_step
 
-    def record(accepted):
+    def record(accepted, report=None):
         calls.append(kv.step.inner.resolver_calls)
-        end_step(accepted)
+        end_step(accepted, report)
 
     kv.end_step = record
     outs = llm.generate(PROMPTS, PARAMS)
@@ -155,7 +155,7 @@ def test_verification_steps_with_partial_acceptance_stay_exact(policy, v4_engine
     n_new = 24
     dense_tokens = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=n_new, ignore_eos=True))]
     model, cfg, q = llm.engine.model, llm.engine.model.cfg, 5
-    kv = V4HierarchyKVManager(cfg, KVConfig(policy=policy, pool_bytes=1 << 22, hot_rows=cfg.index_topk * q,
+    kv = V4HierarchyKVStore(cfg, KVConfig(policy=policy, pool_bytes=1 << 22, hot_rows=cfg.index_topk * q,
                                             page_rows=2, max_query_len=2), model.dtype, model.device, 128)
     sequences = [p + t for p, t in zip(PROMPTS, dense_tokens, strict=True)]
     done = []
@@ -188,8 +188,8 @@ def test_hot_cache_below_a_verification_block_is_refused():
     import dataclasses
 
     from dhisparse.engine.config import EngineConfig
-    from dhisparse.engine.kv_factory import make_kv_manager
     from dhisparse.errors import ConfigError
+    from dhisparse.kv.factory import make_kv_store
     from dhisparse_planner.deepseek_v4 import DSV4_FLASH
 
     cfg = dataclasses.replace(DSV4_FLASH, num_hidden_layers=3, layer_types=DSV4_FLASH.layer_types[:3],
@@ -197,6 +197,10 @@ def test_hot_cache_below_a_verification_block_is_refused():
                               num_attention_heads=2, index_n_heads=2, index_head_dim=16, index_topk=8,
                               max_position_embeddings=256)
     engine = EngineConfig(kv_policy="hisparse", pool_bytes=1 << 22, page_rows=4, hot_rows=8 * 5 - 1)
+    def make(engine: EngineConfig) -> object:
+        return make_kv_store(cfg, policy=engine.kv_policy, dtype=torch.float32, device=torch.device("cpu"),
+                             kv_config=engine.kv_config(5, 0, 256), max_query_len=5)
+
     with pytest.raises(ConfigError, match="hot_rows"):
-        make_kv_manager(cfg, engine, max_query_len=5)
-    assert make_kv_manager(cfg, dataclasses.replace(engine, hot_rows=0), max_query_len=5) is not None
+        make(engine)
+    assert make(dataclasses.replace(engine, hot_rows=0)) is not None

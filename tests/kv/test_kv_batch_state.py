@@ -134,7 +134,7 @@ def test_slots_are_compacted_so_steps_read_views(policy: str) -> None:
 
     def recording_begin(ids, q):
         step = begin(ids, q)
-        views.append(step._scatter is None)
+        views.append(step.scatter is None)
         return step
     m.begin_step = recording_begin
     for order in (["r0", "r2", "r4"], ["r4", "r0", "r2"], ["r2", "r4"]):

@@ -12,9 +12,9 @@ import pytest
 import torch
 from kv_driver import KVDriver, make_layout, make_manager
 
+from dhisparse.host_values import HostSync
 from dhisparse.kv.copies import CopyEngine
 from dhisparse.kv.host_store import ChunkedRows
-from dhisparse.kv.host_sync import HostSync
 
 CPU = torch.device("cpu")
 

@@ -13,10 +13,11 @@ import torch
 from kv_driver import KVDriver, make_layout, make_manager
 from tiny_models import build_spec_engine, make_checkpoint, random_prompts
 
-from dhisparse import LLM, SamplingParams, native
+from dhisparse import LLM, SamplingParams
+from dhisparse.kernels import native
+from dhisparse.kernels.resolver import HotCacheOverflowError
 from dhisparse.kernels.selection import check_native_resolver, select_kernels
 from dhisparse.kernels.self_check import CheckResult
-from dhisparse.kv.resolver import HotCacheOverflowError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU library not built (setup_native.sh)")
 
@@ -135,11 +136,9 @@ def test_native_step_setup_gives_the_torch_set_up(query_len) -> None:
     """``StepKV``'s set-up by the library (``native.step_setup``) against the torch set-up on the same state:
     starts, lengths, the page-table snapshot, the new rows each source's write goes to and the indexer keys'
     pages and offsets — requests of different lengths in scattered, out-of-order slots."""
-    import dataclasses
-
-    from dhisparse.kernels.selection import torch_selection
+    from dhisparse.kv.residency import map_tail_pages
+    from dhisparse.kv.resolution import NativeResolution, TorchResolution
     from dhisparse.kv.step import StepKV
-    from dhisparse.kv.tail import map_tail_pages
 
     m = make_manager(make_layout("glm"), "adaptive", 1 << 20, page_rows=4, max_query_len=3, native=True)
     d = KVDriver(m)
@@ -151,15 +150,17 @@ def test_native_step_setup_gives_the_torch_set_up(query_len) -> None:
     for req in reqs:  # what begin_step does before building the step
         map_tail_pages(req, req.length + query_len - 1, 4, m.copies, m.fence)
     parts = m.step_parts()
-    native_step = StepKV(parts, reqs, query_len, stamp=1)
-    torch_step = StepKV(dataclasses.replace(parts, kernels=torch_selection("test")), reqs, query_len, stamp=1)
-    assert native_step._scatter is not None  # slots out of step order: the torch set-up gathers rows
+    assert isinstance(m.resolution, NativeResolution)
+    native_step = StepKV(parts, m.resolution, reqs, query_len, 1, m._report_buffer(len(reqs)))
+    assert not native_step.flags.any()  # every new row's page is mapped
+    torch_step = StepKV(parts, TorchResolution(), reqs, query_len, 1, m._report_buffer(len(reqs)))
+    assert native_step.scatter is not None  # slots out of step order: the torch set-up gathers rows
     for name in ("starts", "lengths", "page_table"):
         assert torch.equal(getattr(native_step, name), getattr(torch_step, name)), name
-    assert all(torch.equal(a, b) for a, b in zip(native_step._write_rows, torch_step._write_rows, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(native_step._key_write[0], torch_step._key_write[0], strict=True))
-    assert torch.equal(native_step._key_write[1], torch_step._key_write[1])
-    assert native_step.max_length == torch_step.max_length and native_step._unmapped is None
+    assert all(torch.equal(a, b) for a, b in zip(native_step.write_rows, torch_step.write_rows, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(native_step.key_write[0], torch_step.key_write[0], strict=True))
+    assert torch.equal(native_step.key_write[1], torch_step.key_write[1])
+    assert native_step.max_length == torch_step.max_length
     with pytest.raises(ValueError, match="step_setup"):  # a slot past the batch state
         native.step_setup(native.load(), [4], [m.batch.num_slots], m.batch.page_table, m.batch.key_pages, 2, 1, 4, 2)
 

@@ -39,5 +39,5 @@ def test_runtime_defaults_have_one_source() -> None:
     engine, kv, serving = EngineConfig(), KVConfig(), ServingSpec()
     for name in ("page_rows", "hot_rows", "refill_pages_per_step", "reserve_bytes"):
         assert getattr(engine, name) == getattr(kv, name) == getattr(serving, name) == getattr(defaults, name.upper())
-    assert engine.kv_policy == kv.policy == serving.policy == defaults.KV_POLICY
+    assert str(engine.kv_policy) == str(kv.policy) == str(serving.policy) == defaults.KV_POLICY
     assert engine.num_draft_tokens == defaults.NUM_DRAFT_TOKENS

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dhisparse.kv.resolver import HotCacheOverflowError, resolve
+from dhisparse.kernels.resolver import HotCacheOverflowError, resolve
 
 
 def t(values: list) -> torch.Tensor:

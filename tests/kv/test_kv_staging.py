@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dhisparse.kernels.resolver import STEP_HOST, HotCacheOverflowError, resolve
 from dhisparse.kv import KVConfig, KVLayout, KVManager
 from dhisparse.kv.footprint import request_footprint
-from dhisparse.kv.resolver import STEP_HOST, HotCacheOverflowError, resolve
 
 
 def t(values: list) -> torch.Tensor:

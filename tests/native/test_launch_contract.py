@@ -14,8 +14,7 @@ import struct
 import pytest
 import torch
 
-from dhisparse import native
-from dhisparse.kernels import abi
+from dhisparse.kernels import abi, native
 
 pytestmark = pytest.mark.skipif(
     not native.available(),
@@ -23,7 +22,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("kind", [abi.KIND_RESOLVER, abi.KIND_ROW_COPY, abi.KIND_SPARSE_MLA, abi.KIND_PLAN])
+@pytest.mark.parametrize("kind", [abi.KIND_RESOLVER, abi.KIND_ROW_COPY, abi.KIND_SPARSE_MLA, abi.KIND_PLAN,
+                                  abi.KIND_STEP_RESOLVER])
 def test_ctypes_structs_have_the_cpp_layout(kind: int) -> None:
     assert abi.python_layout(kind) == abi.cpp_layout(kind)
 
@@ -109,22 +109,72 @@ def test_copy_plan_skips_empty_batches_and_refuses_bad_sizes() -> None:
 
 
 def scratch_bytes(n: int, b: int) -> int:
-    """launch.h's resolver_row_scratch_bytes spelled out: pow2(N) * 24 + pow2(B) * 16 + align8(4 B)."""
+    """block_resolver.h's block_scratch_bytes spelled out: sorted entries pow2(N) * 8, the hash table / eviction
+    keys max(4 * pow2(2B), 8 * pow2(B)), entry and rank pow2(N) * 4 each, step codes align8(pow2(N)), needed
+    align8(B)."""
     pow2 = lambda x: 1 << max(x - 1, 0).bit_length()  # noqa: E731
-    return pow2(n) * 24 + pow2(b) * 16 + ((4 * b + 7) & ~7)
+    align8 = lambda x: (x + 7) & ~7  # noqa: E731
+    n2 = pow2(max(n, 1))
+    return n2 * 8 + align8(max(4 * max(pow2(2 * b), 2), 8 * pow2(max(b, 1)))) + n2 * 8 + align8(n2) + align8(b)
 
 
-def test_resolver_plan_one_block_per_request_source_and_its_workspace() -> None:
+def test_resolver_plan_one_block_per_row_scratch_in_shared_memory_when_it_fits() -> None:
     (stamp, pos, table, hot_pos, hot_stamp, hot_loc), out = resolver_tensors(3, 211, 17, 260)
     plan = abi.cpp_plan(abi.KIND_RESOLVER, abi.pack_resolver(stamp, pos, table, hot_pos, hot_stamp, hot_loc, 16, out))
-    assert (plan.status, plan.grid_x, plan.grid_y, plan.block) == (abi.PLAN_OK, 3, 1, 256)
-    assert plan.workspace_bytes == 3 * scratch_bytes(211, 260) == 3 * (256 * 24 + 512 * 16 + 1040)
+    assert (plan.status, plan.grid_x, plan.grid_y, plan.block) == (abi.PLAN_OK, 3, 1, 512)
+    assert (plan.shared_bytes, plan.workspace_bytes) == (scratch_bytes(211, 260), 0)
+    assert scratch_bytes(2048, 4096) == 71680  # GLM-5 sizes: 70 KB, in shared memory
+    (stamp, pos, table, hot_pos, hot_stamp, hot_loc), out = resolver_tensors(3, 3000, 17, 6000)
+    plan = abi.cpp_plan(abi.KIND_RESOLVER, abi.pack_resolver(stamp, pos, table, hot_pos, hot_stamp, hot_loc, 16, out))
+    assert (plan.shared_bytes, plan.workspace_bytes) == (0, 3 * scratch_bytes(3000, 6000))  # past 96 KB: global
     args = abi.pack_resolver(stamp, pos, table, hot_pos, hot_stamp, hot_loc, 0, out)
     assert abi.cpp_plan(abi.KIND_RESOLVER, args).status == -1  # page_rows must be > 0
     args.page_rows, args.hot_rows = 16, 1 << 24
     assert abi.cpp_plan(abi.KIND_RESOLVER, args).status == -1  # B below 2^24 (packed sort keys)
     args.hot_rows, args.num_sources = 260, 0
     assert abi.cpp_plan(abi.KIND_RESOLVER, args).status == abi.PLAN_EMPTY
+
+
+def step_args(batch: int = 5, n: int = 300, groups: int = 3, hot_rows: int = 700, staging: int = 0
+              ) -> tuple[abi.StepResolveArgs, dict[str, torch.Tensor], list[torch.Tensor]]:
+    sources, slots_n, pages = 4, batch + 2, 9
+    keep = [torch.zeros(1, dtype=torch.int64), torch.zeros(batch, n, dtype=torch.int64),
+            torch.zeros(batch, dtype=torch.int64), torch.arange(groups), torch.arange(batch),
+            torch.zeros(batch, sources, pages + 2, dtype=torch.int64)[:, :, :pages],
+            torch.zeros(slots_n, sources, hot_rows, dtype=torch.int64), torch.zeros(slots_n, sources, hot_rows,
+                                                                                     dtype=torch.int64),
+            torch.zeros(slots_n, sources, hot_rows, dtype=torch.int64), torch.zeros(slots_n, sources, 11,
+                                                                                     dtype=torch.int64),
+            (torch.zeros(slots_n, groups + 2, staging, dtype=torch.int64), torch.arange(groups) + 1) if staging
+            else None]
+    out = {"locations": torch.zeros(groups, batch, n, dtype=torch.int64),
+           "steps": torch.zeros(groups, batch, n, dtype=torch.int8),
+           "fetch_src": torch.zeros(groups, batch, n, dtype=torch.int64),
+           "fetch_dst": torch.zeros(groups, batch, n, dtype=torch.int64),
+           "counts": torch.zeros(batch, 3, dtype=torch.int64), "staged": torch.zeros(batch, dtype=torch.int64),
+           "flags": torch.zeros(1, dtype=torch.int32)}
+    return abi.pack_step_resolver(*keep, 16, out), out, keep
+
+
+def test_step_resolver_packing_is_what_cpp_reads_and_its_plan() -> None:
+    args, out, keep = step_args(staging=6)
+    stamp, positions, lengths, sources, slots, table, hot_pos, hot_stamp, hot_loc, host, (staging, members) = keep
+    expected = [5, 300, 3, 700, 16, 9, 11, 4, 7, 6, 5, *table.stride()[:2], *hot_pos.stride()[:2],
+                *host.stride()[:2], *staging.stride()[:2]]
+    expected += [t.data_ptr() for t in (stamp, positions, lengths, sources, slots, table, hot_pos, hot_stamp, hot_loc,
+                                        host, members, staging)]
+    expected += [out[k].data_ptr() for k in ("locations", "steps", "fetch_src", "fetch_dst", "counts", "staged",
+                                             "flags")]
+    assert abi.cpp_fields(abi.KIND_STEP_RESOLVER, args) == expected
+    plan = abi.cpp_plan(abi.KIND_STEP_RESOLVER, args)
+    assert (plan.status, plan.grid_x, plan.block, plan.shared_bytes) == (abi.PLAN_OK, 15, 512, scratch_bytes(300, 700))
+    args.flags = None
+    assert abi.cpp_plan(abi.KIND_STEP_RESOLVER, args).status == -4  # a required pointer is null
+    args, _, _ = step_args(batch=0)
+    assert abi.cpp_plan(abi.KIND_STEP_RESOLVER, args).status == abi.PLAN_EMPTY
+    with pytest.raises(ValueError, match="flags must be a contiguous torch.int32"):
+        bad = dict(out, flags=torch.zeros(1, dtype=torch.int64))
+        abi.pack_step_resolver(*keep, 16, bad)
 
 
 def test_sparse_mla_plan_grid_shared_memory_and_formats() -> None:
@@ -166,6 +216,8 @@ def test_the_cuda_library_plans_exactly_like_the_contract() -> None:
     loc = torch.zeros(3, 2, 7, dtype=torch.int64)
     args = abi.pack_sparse_mla(q, torch.zeros(3, 2, 9, 64), torch.zeros(5, 576), loc, 0.1, q.clone())
     assert bytes(kernels.plan(abi.KIND_SPARSE_MLA, args)) == bytes(abi.cpp_plan(abi.KIND_SPARSE_MLA, args))
+    args, _, _ = step_args(staging=3)
+    assert bytes(kernels.plan(abi.KIND_STEP_RESOLVER, args)) == bytes(abi.cpp_plan(abi.KIND_STEP_RESOLVER, args))
 
 
 @needs_cuda_library

@@ -2,7 +2,7 @@
 
 Random multi-step traces of several requests (with verification-query unions, duplicates, unused entries,
 pages becoming ready or reclaimed between steps, and hot slots holding rows that became direct) are
-resolved by both ``dhisparse.kv.resolver.resolve`` and ``dhisparse.native.resolve``; every output must be
+resolved by both ``dhisparse.kernels.resolver.resolve`` and ``dhisparse.kernels.native.resolve``; every output must be
 identical, step after step.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dhisparse import native
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, resolve
+from dhisparse.kernels import native
+from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution, resolve
 
 pytestmark = pytest.mark.skipif(
     not native.available(),

@@ -9,7 +9,7 @@ import pytest
 from dhisparse_planner import paper
 from dhisparse_planner.admission import TokenBudget
 from dhisparse_planner.report import parse_config
-from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.scale import ScaleSpec, check_simulated_host
 from dhisparse_planner.simulator import Simulator
 from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
 from dhisparse_planner.workload import WorkloadSpec
@@ -39,7 +39,9 @@ def test_the_hisparse_baseline_runs_no_more_than_its_budget_allows() -> None:
     sgl = parse_config("hisparse", paper.BASE, paper.SPEC, paper.ADMISSION)
     own = dataclasses.replace(sgl, admission=None)
     assert parse_config("adaptive", paper.BASE, paper.SPEC, paper.ADMISSION).admission is None
-    roomy = dataclasses.replace(H200, host_bytes_per_gpu=1e15)  # the host store does not bind here
+    m = GLM5_INDEXSHARE_NVFP4
+    # room for twice the run's histories: the host store does not bind here
+    roomy = dataclasses.replace(H200, host_bytes_per_gpu=2 * 128 * m.num_layers * m.row_bytes * (102400 + 256 + 64))
     capped = Simulator(roomy, GLM5_INDEXSHARE_NVFP4, sgl, work, scale)
     cap = capped.logical_tokens / (102400 + 4096 * 0.098)
     a = capped.run()
@@ -66,3 +68,17 @@ def test_host_capacity_is_the_simulated_machines_and_binds_when_histories_outgro
     assert s["waited_for_host"] > 0 and s["waited_for_device"] == 0 and s["requests_done"] == 16
     roomy = Simulator(H200, m, serving, work, ScaleSpec(token_scale=64)).run()
     assert roomy.max_batch == 16 and roomy.summary()["waited_for_host"] == 0
+
+
+def test_a_simulated_host_store_this_process_cannot_hold_is_refused_by_the_planners_fields() -> None:
+    """The simulated store is never shrunk to the planner machine's memory: a run that would need more than this
+    process may hold is refused before the runtime's own check, naming host_bytes_per_gpu and token_scale."""
+    m = GLM5_INDEXSHARE_NVFP4
+    work = WorkloadSpec(32768, 256, concurrency=2, num_requests=2)
+    sim = Simulator(H200, m, paper.BASE, work, ScaleSpec(token_scale=64))
+    check_simulated_host(sim.kvs, limit=sim.kvs.config.host_bytes)  # exactly what it may hold: accepted
+    with pytest.raises(ValueError, match="host_bytes_per_gpu.*token_scale"):
+        check_simulated_host(sim.kvs, limit=sim.kvs.config.host_bytes - 1)
+    huge = dataclasses.replace(H200, host_bytes_per_gpu=1e18)
+    with pytest.raises(ValueError, match="simulated host store"):
+        Simulator(huge, m, paper.BASE, work, ScaleSpec(token_scale=64))

@@ -78,7 +78,10 @@ def test_entry_cache_model_agrees_with_the_kv_manager(overlap):
     m = ModelSpec(name="one CSA layer", num_layers=1, index_group_size=1, index_topk=512, row_bytes=584,
                   index_key_bytes=132, attn_heads=64, index_heads=64, index_head_dim=128, total_params=284e9,
                   active_params=13e9, dense_params=6e9, moe_layers=43, num_experts=256, experts_per_token=6)
-    hw = dataclasses.replace(H200, hbm_bytes=m.weight_bytes_per_gpu + m.workspace_bytes + 256e6)  # small arena
+    # small arena; a host store of 16 GiB (the H200 rank's 256 GiB, simulated at 1/8, is more than this process may
+    # hold; the two histories take 38 MB of it either way)
+    hw = dataclasses.replace(H200, hbm_bytes=m.weight_bytes_per_gpu + m.workspace_bytes + 256e6,
+                             host_bytes_per_gpu=16 * 2**30)
     loc = dataclasses.replace(CALIBRATED, overlap=overlap, recent_window_tokens=1024)
     ref = simulate(hw, m, ServingSpec(policy="hisparse", hot_rows=4096, locality=loc, max_batch_size=2),
                    WorkloadSpec(32768, 256, concurrency=2, num_requests=2), ScaleSpec(token_scale=8)).summary()

@@ -15,7 +15,7 @@ def test_serving_and_speculation_defaults_are_the_engines() -> None:
     for name in ("max_batch_size", "max_prefill_tokens_per_step", "page_rows", "hot_rows", "reserve_bytes",
                  "refill_pages_per_step"):
         assert getattr(serving, name) == getattr(engine, name), name
-    assert serving.policy == engine.kv_policy
+    assert serving.policy == engine.kv_policy.name
     assert spec.gamma == engine.num_draft_tokens
     assert spec.busy_batch == engine.dspark_busy_batch
     assert spec.min_confidence == engine.dspark_busy_confidence

@@ -20,10 +20,15 @@ NEW_TOKENS = [9, 14, 6, 11, 8, 10]
 def _run_engine(engine_dir, policy: str, pool_scale: float):
     probe = LLM(engine_dir, kv_policy=policy, page_rows=4)
     smallest = probe.engine.kv.required_bytes(max(LENGTHS), max(NEW_TOKENS))
-    llm = LLM(engine_dir, kv_policy=policy, page_rows=4, pool_bytes=int(smallest * pool_scale),
+    recorders: list[RecordingKV] = []
+
+    def record(kv):
+        recorders.append(RecordingKV(kv))
+        return recorders[-1]
+
+    llm = LLM(engine_dir, wrap_kv=record, kv_policy=policy, page_rows=4, pool_bytes=int(smallest * pool_scale),
               refill_pages_per_step=3, max_batch_size=4, max_prefill_tokens_per_step=120)
-    recorder = RecordingKV(llm.engine.kv)
-    llm.engine.kv = recorder
+    recorder = recorders[0]
     prompts = random_prompts(LENGTHS, 96, seed=3)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW_TOKENS]
     llm.generate(prompts, params)

@@ -13,7 +13,7 @@ CASES = [
     ("ensemble", {"max_tokens": 4}, "text_input"),
     ("ensemble", {"text_input": "", "max_tokens": 4}, "text_input is empty"),
     ("ensemble", {"text_input": ["a", "b"], "max_tokens": 4}, "text_input"),  # Triton: shape [1, 2] is not [1]
-    ("ensemble", {"text_input": "x" * (MAX_MODEL_LEN + 10), "max_tokens": 4}, "engine's maximum"),
+    ("ensemble", {"text_input": "x" * (MAX_MODEL_LEN + 10), "max_tokens": 4}, "limit max_prompt_tokens"),
     ("ensemble", {"text_input": "To be", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ("ensemble", {"text_input": "To be", "max_tokens": -3}, "max_tokens must be an integer >= 1"),
     ("ensemble", {"text_input": "To be", "max_tokens": MAX_MODEL_LEN + 1}, "exceeds the engine limit"),
@@ -32,14 +32,23 @@ CASES = [
     ("dhisparse", {"input_ids": [5, 100000, 7], "request_output_len": 4}, "outside the vocabulary"),
     ("dhisparse", {"input_ids": [5, -1], "request_output_len": 4}, "outside the vocabulary"),
     ("dhisparse", {"request_output_len": 4}, "input_ids is missing"),
-    # Missing required inputs, every model: the error names the input.
+    # Missing required inputs, every model: the error names the input. With two or more other inputs Triton 2.51's
+    # own input count check passes, and a missing required ensemble input used to get an empty final response.
     ("ensemble", {"text_input": "To be"}, "max_tokens"),
+    ("ensemble", {"max_tokens": 4, "stream": True}, "text_input is missing"),
+    ("ensemble", {"text_input": "To be", "stream": True, "temperature": 0.5}, "max_tokens is missing"),
+    ("ensemble", {"stream": True, "temperature": 0.5}, "text_input is missing"),
+    ("ensemble", {"stream": False, "return_log_probs": True, "top_k": 2}, "text_input is missing"),
+    ("dhisparse_bls", {"max_tokens": 4, "stream": True}, "text_input is missing"),
+    ("dhisparse_bls", {"text_input": "To be", "stream": True, "temperature": 0.5}, "max_tokens is missing"),
+    ("dhisparse", {"request_output_len": 4, "streaming": True}, "input_ids is missing"),
+    ("dhisparse", {"input_ids": [5, 6], "streaming": True, "temperature": 0.5}, "request_output_len"),
     ("dhisparse_bls", {"max_tokens": 4}, "text_input"),
     ("dhisparse_bls", {"text_input": "To be"}, "max_tokens"),
     ("dhisparse", {"input_ids": [5, 6]}, "request_output_len"),
     ("dhisparse", {"input_ids": [5, 6], "input_lengths": 9, "request_output_len": 4}, "input_lengths 9"),
     ("dhisparse", {"input_ids": [5, 6], "request_output_len": 4, "embedding_bias": [0.0] * 400 + [1.0]},
-     "outside the vocabulary"),
+     "the vocabulary has 320 tokens"),
 ]
 
 

@@ -41,3 +41,23 @@ def test_server_token_count_corrects_speculative_responses():
     assert corrected.token_throughput == 152.0 and corrected.tokens_per_request == 19.0
     assert math.isclose(corrected.itl_ms, 5.0 * 9 / 18)
     assert with_token_count(result, 8 * 10.0).itl_ms == 5.0  # no speculation: unchanged
+
+
+def test_aiperf_summary_becomes_a_row():
+    """AIPerf 0.13's summary (a committed run: docs/results/aiperf) read into the row perf_analyzer's runs give."""
+    import json
+    from pathlib import Path
+
+    from dhisparse_client.aiperf import Workload, level_result
+
+    path = Path(__file__).parents[2] / "docs/results/aiperf/synthetic/hisparse/aiperf-c4-r0.json"
+    report = json.loads(path.read_text())
+    row = level_result(report, 4)
+    assert row.concurrency == 4 and row.requests == report["request_count"]["avg"] == 8
+    assert row.ttft_ms == report["time_to_first_token"]["p50"] and row.itl_ms == report["inter_token_latency"]["p50"]
+    assert row.token_throughput == report["output_token_throughput"]["avg"] > 0
+    assert row.tokens_per_request == 32.0  # min_tokens = max_tokens, counted by the server
+    assert math.isnan(row.pa_request_throughput)
+    multi = Workload("multi-turn", 512, 32, 3).arguments(4, 8)
+    assert multi[multi.index("--conversation-num") + 1] == "4" and multi[multi.index("--request-count") + 1] == "12"
+    assert Workload("multi-turn", 512, 32, 3).context_tokens() == 3 * (512 + 32)

@@ -37,15 +37,31 @@ BLOCKERS = 4  # context requests queued in front of the one that is cancelled du
 
 
 @pytest.fixture(scope="module")
-def deployment(tiny_engine, tmp_path_factory):
+def key_file(tmp_path_factory):
+    """The deployment's internal key, shared by the two servers (and by the tests that act as its orchestrator)."""
+    from dhisparse.serving.internal_auth import write_key_file
+
+    return write_key_file(tmp_path_factory.mktemp("keys") / "internal.key")
+
+
+def orchestrator_call(context, key_file, arrays: dict, request_id: str):
+    """``context.call`` as the orchestrator sends it: signed with the deployment's key (``internal_auth``)."""
+    from dhisparse.serving.internal_auth import AUTH_INPUT, CONTEXT, InternalAuth, request_subject
+
+    token = InternalAuth.from_key_file(key_file).token(CONTEXT, request_subject(request_id, arrays))
+    return context.call({**arrays, AUTH_INPUT: token}, request_id)
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_engine, tmp_path_factory, key_file):
     """``(generation server, context server)``: two servers, or the same one twice (``TOPOLOGY = one``)."""
     from conftest import POOL_BYTES, ServedEngine, start_triton
 
-    from dhisparse.disagg.repository import DisaggregatedOptions, fill_disaggregated_repository
+    from dhisparse.serving.disagg_repository import DisaggregatedOptions, fill_disaggregated_repository
     from dhisparse.serving.repository import RepositorySpec
 
     overrides = {"kv_policy": "adaptive", "pool_bytes": POOL_BYTES}
-    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100)
+    spec = RepositorySpec(tiny_engine, overrides, metrics_interval_ms=100, auth_key_file=key_file)
     servers = []
 
     def serve(name: str, options: DisaggregatedOptions) -> ServedEngine:
@@ -90,21 +106,31 @@ def test_orchestrator_streams_the_first_token_then_the_generation_tokens(disaggr
         assert [t for c in chunks for t in c] == want
 
 
-def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected):
+def test_ensemble_over_the_orchestrator_matches_offline(disaggregated, expected, tokenizer):
     _, _, texts = expected
+    _, tokens, _ = expected
+    token_bytes = TokenBytes(tokenizer)
     client = disaggregated.client("ensemble")
-    for prompt, text in zip(PROMPTS, texts, strict=True):
-        assert b"".join(client.stream(prompt, GenerationOptions(max_tokens=MAX_TOKENS))) == text
-    assert client.generate(PROMPTS[0], GenerationOptions(max_tokens=MAX_TOKENS)) == texts[0]
+    for prompt, want in zip(PROMPTS, tokens, strict=True):
+        # The orchestrator streams one token per response (no speculation here) and does not hold tokens back for
+        # whole characters: postprocessing decodes each chunk on its own, a split character becomes U+FFFD.
+        per_token = b"".join(token_bytes.decode([t]).decode("utf-8", "replace").encode() for t in want)
+        assert b"".join(client.stream(prompt, GenerationOptions(max_tokens=MAX_TOKENS))) == per_token
+    whole = texts[0].decode("utf-8", "replace").encode()
+    assert client.generate(PROMPTS[0], GenerationOptions(max_tokens=MAX_TOKENS)) == whole
     metrics = disaggregated.client().metrics()
     assert metrics["transfers"] >= len(PROMPTS) + 1 and metrics["transfer_bytes"] > 0
     assert metrics.get("transfers_failed", 0.0) == 0.0
     assert metrics["context_prefill_seconds"] > 0 and metrics["transfer_seconds"] > 0  # the TTFT split
 
 
-def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expected):
+def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expected, key_file):
+    """A client cannot reach `generation` (no orchestrator token); a signed request (as the orchestrator would send)
+    with malformed params gets an error naming them."""
     import numpy as np
     import tritonclient.grpc as grpcclient
+
+    from dhisparse.serving.internal_auth import AUTH_INPUT, GENERATION, InternalAuth, request_subject
 
     ids, _, _ = expected
     arrays = {"input_ids": np.array([ids[0]], dtype=np.int32), "input_lengths": np.array([[len(ids[0])]], np.int32),
@@ -113,13 +139,22 @@ def test_malformed_context_phase_params_give_a_clear_error(disaggregated, expect
               "context_phase_params": np.array([[1, 2, 3]], dtype=np.uint8)}
     datatypes = {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL", np.dtype(object): "BYTES",
                  np.dtype(np.uint8): "UINT8"}
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatypes[array.dtype])
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+
+    def inputs(values: dict) -> list:
+        out = []
+        for name, array in values.items():
+            tensor = grpcclient.InferInput(name, list(array.shape), datatypes[array.dtype])
+            tensor.set_data_from_numpy(array)
+            out.append(tensor)
+        return out
+
+    client = disaggregated.client()
+    with pytest.raises(GenerationError, match="only its orchestrator"):
+        list(client.stream_results("generation", inputs(arrays), ["output_ids"], request_id="client-1"))
+    token = InternalAuth.from_key_file(key_file).token(GENERATION, request_subject("signed-1", arrays))
     with pytest.raises(GenerationError, match="context_phase_params"):
-        list(disaggregated.client().stream_inputs("generation", inputs, "output_ids"))
+        list(client.stream_results("generation", inputs({**arrays, AUTH_INPUT: token}), ["output_ids"],
+                                   request_id="signed-1"))
 
 
 def test_multi_token_stop_sequence_ends_the_generation_phase(disaggregated, expected):
@@ -173,7 +208,7 @@ def _wait_regions(context_server, done, timeout_s: float = 60.0) -> dict[str, fl
     return regions
 
 
-def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
+def test_context_cancel_request_frees_the_region_at_once(deployment, expected, key_file):
     """The control request the orchestrator sends on a cancellation: `cancel_request_id` frees that region now."""
     import numpy as np
 
@@ -183,15 +218,17 @@ def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
     _, context_server = deployment
     ids, tokens, _ = expected
     _wait_regions(context_server, lambda r: r["regions_held"] == 0)
-    context = RemoteContext(context_server.grpc_url)
+    from dhisparse.serving.internal_auth import InternalAuth, read_key_file
+
+    context = RemoteContext(context_server.grpc_url, auth=InternalAuth.from_key_file(key_file))
     try:
         arrays = {"input_ids": np.array([ids[0]], dtype=np.int32),
                   "input_lengths": np.array([[len(ids[0])]], dtype=np.int32),
                   "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
                   "request_type": np.array([[b"context_only"]], dtype=object)}
-        first, params = context.call(arrays, "probe-cancel")
+        first, params = orchestrator_call(context, key_file, arrays, "probe-cancel")
         assert first == tokens[0][0]
-        assert ContextPhaseParams.from_bytes(params).request_key.endswith("/probe-cancel")
+        assert ContextPhaseParams.from_bytes(params, read_key_file(key_file)).request_key.endswith("/probe-cancel")
         held = _wait_regions(context_server, lambda r: r["regions_held"] == 1)  # nobody reads it: it stays held
         freed = context.cancel("probe-cancel")  # freed by the control request, synchronously
         assert freed == 1, f"cancel freed {freed} regions; before it: {held}"
@@ -203,7 +240,7 @@ def test_context_cancel_request_frees_the_region_at_once(deployment, expected):
     assert after["regions_expired"] == held["regions_expired"], (held, after)
 
 
-def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer):
+def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer, key_file):
     """A client cancels while its context phase runs (queued behind long prefills sent straight to `context`): the
     orchestrator frees its region at once with a `cancel_request_id` control request (not at the 600 s hold
     deadline), nothing expires, the generation side never took the request and returns to idle."""
@@ -220,10 +257,12 @@ def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer)
     arrays = {"input_ids": np.array([long_prompt], dtype=np.int32),
               "input_lengths": np.array([[len(long_prompt)]], dtype=np.int32),
               "request_output_len": np.array([[8]], dtype=np.int32)}
-    context = RemoteContext(context_server.grpc_url)
-    blockers = [threading.Thread(target=context.call, args=({**arrays, "request_type": np.array([[b"context_only"]],
-                                                                                                 dtype=object)},
-                                                            f"blocker-{i}")) for i in range(BLOCKERS)]
+    from dhisparse.serving.internal_auth import InternalAuth
+
+    context = RemoteContext(context_server.grpc_url, auth=InternalAuth.from_key_file(key_file))
+    blocker = {**arrays, "request_type": np.array([[b"context_only"]], dtype=object)}
+    blockers = [threading.Thread(target=orchestrator_call, args=(context, key_file, blocker, f"blocker-{i}"))
+                for i in range(BLOCKERS)]
     for thread in blockers:  # long prefills in front of the cancelled request's context phase
         thread.start()
     stats = grpcclient.InferenceServerClient(generation_server.grpc_url)
@@ -259,3 +298,95 @@ def test_cancel_during_the_context_phase_frees_both_sides(deployment, tokenizer)
     assert after["regions_cancelled"] - before["regions_cancelled"] == BLOCKERS + 1
     assert wait_idle(generation_server.client()) == IDLE
     assert generation_server.client().metrics().get("transfers", 0.0) == generation_before.get("transfers", 0.0)
+
+
+MISSING = [  # (server: 0 generation / 1 context, model, inputs, what the error must name)
+    (0, "ensemble", {"max_tokens": [[4]], "stream": [[True]]}, "text_input is missing"),
+    (0, "ensemble", {"text_input": [["To be"]], "stream": [[True]], "temperature": [[0.5]]}, "max_tokens is missing"),
+    (0, "disaggregated_serving_bls", {"request_output_len": [[4]], "streaming": [[True]]}, "input_ids is missing"),
+    (0, "disaggregated_serving_bls", {"input_ids": [[5, 6]], "streaming": [[True]], "temperature": [[0.5]]},
+     "request_output_len"),
+    (0, "generation", {"input_ids": [[5, 6]], "request_output_len": [[4]], "streaming": [[True]],
+                       "request_type": [["generation_only"]]}, "context_phase_params is missing"),
+    (1, "context", {"request_output_len": [[4]], "request_type": [["context_only"]], "temperature": [[0.5]]},
+     "input_ids is missing"),
+    (1, "context", {"input_ids": [[5, 6]], "request_type": [["context_only"]], "temperature": [[0.5]]},
+     "request_output_len"),
+]
+
+
+@pytest.mark.parametrize(("server", "model", "values", "message"), MISSING, ids=[f"{m[1]}-{m[3]}" for m in MISSING])
+def test_missing_required_input_on_a_stream_is_named(deployment, server, model, values, message):
+    """Over a gRPC stream with a request id (what Triton 2.51 answered with silence for the ensemble)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    dtypes = {"input_ids": np.int32, "request_output_len": np.int32, "max_tokens": np.int32, "streaming": bool,
+              "stream": bool, "temperature": np.float32, "text_input": object, "request_type": object}
+    inputs = []
+    for name, value in values.items():
+        array = np.array(value, dtype=dtypes[name])
+        if array.dtype == object:
+            array = np.vectorize(lambda v: v.encode(), otypes=[object])(array)
+        tensor = grpcclient.InferInput(name, list(array.shape), {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL",
+                                                                 np.dtype(np.float32): "FP32",
+                                                                 np.dtype(object): "BYTES"}[array.dtype])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    with pytest.raises(GenerationError, match=message):
+        list(deployment[server].client().stream_results(model, inputs, request_id="missing-input"))
+
+
+@pytest.fixture(scope="module")
+def openai_api(disaggregated):
+    """The OpenAI front end `dhisparse-serve --openai-port` runs, here beside the generation server."""
+    import openai
+
+    from dhisparse.serving.openai.server import OpenAIOptions, OpenAIServer
+
+    front = OpenAIServer(disaggregated.engine_dir, disaggregated.grpc_url, OpenAIOptions(0, model_name="tiny"),
+                         disaggregated.overrides)
+    front.start()
+    try:
+        yield openai.OpenAI(base_url=front.url, api_key="unused", max_retries=0, timeout=120)
+    finally:
+        front.stop()
+
+
+def test_openai_api_over_the_orchestrator(openai_api, expected):
+    """Same answers as co-located serving; what the orchestrator does not return (log-probs) is refused by name."""
+    import openai
+
+    _, tokens, texts = expected
+    for prompt, want, text in zip(PROMPTS, tokens, texts, strict=True):
+        reply = openai_api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].text == text.decode("utf-8", "replace")
+        assert reply.choices[0].finish_reason == ("length" if len(want) == MAX_TOKENS else "stop")
+        assert reply.usage.completion_tokens == len(want)
+        streamed = openai_api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == reply.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="not available in this deployment") as refused:
+        openai_api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, logprobs=1)
+    assert refused.value.body["param"] == "logprobs"
+
+
+def test_openai_disconnect_frees_the_generation_side(openai_api, disaggregated, prompt_runs_long):
+    from conftest import LONG, PROMPT
+    from idle import IDLE, settle, wait_idle
+
+    client = disaggregated.client()
+    settle(client)
+    before = client.metrics()
+    stream = openai_api.completions.create(model="tiny", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True)
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    deadline = time.monotonic() + 20
+    while client.metrics().get("kv_requests_running", 0.0) < 1.0:  # the generation side really holds memory
+        assert time.monotonic() < deadline, "the generation request never ran"
+        time.sleep(0.05)
+    stream.close()
+    assert wait_idle(client) == IDLE
+    after = client.metrics()
+    assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
+    assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG

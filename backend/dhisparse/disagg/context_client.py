@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from dhisparse.serving.internal_auth import AUTH_INPUT, CANCEL, InternalAuth
+
 CONTEXT_OUTPUTS = ["output_ids", "sequence_length", "context_phase_params"]
 # gRPC channel of RemoteContext: tritonclient's message limits, and reconnect backoff capped at 1 s (gRPC's default
 # grows to 120 s, during which every request fails at once: a restarted context server would stay unused).
@@ -40,17 +42,20 @@ class ContextClient(Protocol):
         ...
 
 
-def _control(request_id: str) -> dict[str, np.ndarray]:
+def _control(request_id: str, auth: InternalAuth | None) -> dict[str, np.ndarray]:
     # input_lengths is a required input of the context model; a control request carries no prompt.
-    return {"cancel_request_id": np.array([[request_id.encode()]], dtype=object),
-            "input_lengths": np.array([[0]], dtype=np.int32)}
+    arrays = {"cancel_request_id": np.array([[request_id.encode()]], dtype=object),
+              "input_lengths": np.array([[0]], dtype=np.int32)}
+    if auth is not None:
+        arrays[AUTH_INPUT] = auth.token(CANCEL, request_id)
+    return arrays
 
 
 class LocalContext:
     """The `context` model of the orchestrator's own server, through BLS requests."""
 
-    def __init__(self, pb: Any, model: str = "context") -> None:
-        self._pb, self.model = pb, model
+    def __init__(self, pb: Any, model: str = "context", auth: InternalAuth | None = None) -> None:
+        self._pb, self.model, self._auth = pb, model, auth
 
     def _exec(self, arrays: dict[str, np.ndarray], request_id: str) -> Any:
         tensors = [self._pb.Tensor(name, value) for name, value in arrays.items()]
@@ -68,16 +73,18 @@ class LocalContext:
         return int(self._output(answer, "output_ids").reshape(-1)[0]), self._output(answer, "context_phase_params")
 
     def cancel(self, request_id: str) -> int:
-        answer = self._exec(_control(request_id), f"{request_id}-cancel")
+        answer = self._exec(_control(request_id, self._auth), f"{request_id}-cancel")
         return int(self._output(answer, "sequence_length").reshape(-1)[0])
 
 
 class RemoteContext:
     """The `context` model of another tritonserver (``url`` = its gRPC ``host:port``), through tritonclient."""
 
-    def __init__(self, url: str, model: str = "context", timeout_s: float | None = None) -> None:
+    def __init__(self, url: str, model: str = "context", timeout_s: float | None = None,
+                 auth: InternalAuth | None = None) -> None:
         import tritonclient.grpc as grpcclient
 
+        self._auth = auth
         if not url or ":" not in url:
             raise ValueError(f"context_url must be HOST:PORT of the context server's gRPC endpoint, got {url!r}")
         self.url, self.model, self._timeout_s = url, model, timeout_s
@@ -104,7 +111,7 @@ class RemoteContext:
         return int(answer.as_numpy("output_ids").reshape(-1)[0]), answer.as_numpy("context_phase_params")
 
     def cancel(self, request_id: str) -> int:
-        answer = self._infer(_control(request_id), f"{request_id}-cancel")
+        answer = self._infer(_control(request_id, self._auth), f"{request_id}-cancel")
         return int(answer.as_numpy("sequence_length").reshape(-1)[0])
 
     def close(self) -> None:

@@ -53,12 +53,16 @@ class NixlExporter:
     """Prefill side: publish regions, free them on the consumer's notification or after ``hold_timeout_s``.
 
     Regions are carved out of arenas registered once (``arena_bytes`` each; a region larger than every free
-    range gets a new arena of at least twice its size)."""
+    range gets a new arena of at least twice its size, within ``arena_limit_bytes`` in all: a region that cannot
+    be placed then raises :class:`TransferError` and that prefill fails; arenas are never freed while the agent
+    lives, because a peer may still hold their registration)."""
 
-    def __init__(self, name: str, hold_timeout_s: float = 60.0, arena_bytes: int = 64 << 20) -> None:
+    def __init__(self, name: str, hold_timeout_s: float = 60.0, arena_bytes: int = 64 << 20,
+                 arena_limit_bytes: int = 1 << 30) -> None:
         self.name = name
         self.hold_timeout_s = hold_timeout_s
-        self.arena_bytes = arena_bytes
+        self.arena_bytes = min(arena_bytes, arena_limit_bytes)
+        self.arena_limit_bytes = arena_limit_bytes
         self.agent = _agent(name)
         self._arenas: list[tuple[torch.Tensor, Any, bytes, ArenaRanges]] = []  # buffer, registration, metadata
         self._held: dict[str, tuple[int, int, int, float]] = {}  # key -> (arena, offset, bytes, deadline)
@@ -66,7 +70,13 @@ class NixlExporter:
                          "regions_cancelled": 0.0, "bytes_published": 0.0}
 
     def _new_arena(self, nbytes: int) -> int:
-        buffer = torch.zeros(max(self.arena_bytes, 2 * nbytes), dtype=torch.uint8)
+        registered = sum(arena[0].numel() for arena in self._arenas)
+        size = min(max(self.arena_bytes, 2 * nbytes), self.arena_limit_bytes - registered)
+        if size < nbytes:
+            raise TransferError(f"the context side holds {self.stats()['bytes_held']:.0f} bytes for transfer and its "
+                                f"arenas reached arena_limit_bytes = {self.arena_limit_bytes}: a {nbytes}-byte history "
+                                "does not fit now (retry later, or raise --nixl-arena-limit)")
+        buffer = torch.zeros(size, dtype=torch.uint8)
         registration = self.agent.register_memory(buffer)
         if not registration:
             raise TransferError("could not register a transfer arena with NIXL")

@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from dhisparse.disagg.loading import load_engine_parts
 from dhisparse.disagg.nixl_transfer import NixlExporter
-from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name
-from dhisparse.engine.llm_engine import BatchSampling
+from dhisparse.disagg.params import ContextPhaseParams, RegionLayout, dtype_name, prompt_digest
+from dhisparse.engine.executor import BatchSampling
+from dhisparse.engine.loading import load_engine_parts
 from dhisparse.engine.request import Request
-from dhisparse.engine.sampling import SamplingParams, sample, seed_to_int64
 from dhisparse.errors import InvalidRequestError
+from dhisparse.sampling import SamplingParams, seed_to_int64
 
 
 @dataclass
@@ -74,7 +74,7 @@ class PrefillEngine:
         # The co-located engine's first-token rule: its logit processing (penalties, bias, bans), then sampling.
         sampling = BatchSampling.of([req], out.logits.device, tuple(self.model.cfg.eos_token_id),
                                     self.model.cfg.vocab_size)
-        first = int(sample(sampling.process(out.logits.view(1, 1, -1))[:, 0], *sampling[:5])[0])
+        first = int(sampling.sample(sampling.process(out.logits.view(1, 1, -1))[:, 0], params.temperature <= 0)[0])
         features = None
         if self.spec is not None:
             features = self.spec.features(out.hidden)[-self.spec.ring.window :]
@@ -111,7 +111,7 @@ class PrefillService:
             request_key=key, agent_name=self.exporter.name, region_addr=addr, layout=layout,
             first_token=result.first_token, seed=result.seed,
             queue_s=max(0.0, started - arrival) if arrival is not None else 0.0, prefill_s=result.prefill_s,
-            hold_deadline_s=self.exporter.hold_timeout_s, agent_metadata=metadata,
+            hold_deadline_s=self.exporter.hold_timeout_s, prompt_sha256=prompt_digest(prompt), agent_metadata=metadata,
         )
 
     def poll(self) -> None:

@@ -32,16 +32,24 @@ from typing import Any
 import numpy as np
 
 from dhisparse.disagg.context_client import ContextClient, ContextPhaseError, LocalContext
-from dhisparse.serving.llm_request import LLM_INPUTS, output_arrays
+from dhisparse.serving.internal_auth import AUTH_INPUT, CANCEL, CONTEXT, GENERATION, InternalAuth, request_subject
+from dhisparse.serving.limits import RequestLimits
+from dhisparse.serving.llm_request import LLM_INPUTS, check_limits, output_arrays
 from dhisparse.serving.triton_tensors import error_response, request_arrays, response
 
 INPUTS = tuple(name for name in LLM_INPUTS if name != "cancel_request_id")
 
 
 class DisaggregatedBLS:
-    def __init__(self, pb: Any, context: ContextClient | None = None, generation_model: str = "generation") -> None:
+    """Args: pb: `triton_python_backend_utils`; context: how to reach `context`; auth: the deployment's internal key,
+    which signs every request to `context` and `generation` (they refuse any other caller); limits: checked on the
+    client's request before the context phase starts."""
+
+    def __init__(self, pb: Any, context: ContextClient | None = None, generation_model: str = "generation",
+                 auth: InternalAuth | None = None, limits: RequestLimits | None = None) -> None:
         self._pb, self._generation = pb, generation_model
-        self._context: ContextClient = context if context is not None else LocalContext(pb)
+        self._auth, self._limits = auth, limits or RequestLimits()
+        self._context: ContextClient = context if context is not None else LocalContext(pb, auth=auth)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
 
@@ -59,9 +67,11 @@ class DisaggregatedBLS:
     def _cancel(self, target: str) -> None:
         # Its own request id: a control request sharing the target's id stalls the target's stream.
         # input_lengths: a required input of `generation`; a control request carries no prompt.
-        control = self._request(self._generation, {"cancel_request_id": np.array([[target.encode()]], dtype=object),
-                                                   "input_lengths": np.array([[0]], dtype=np.int32)},
-                                f"{target}-cancel", ["output_ids", "sequence_length"])
+        arrays = {"cancel_request_id": np.array([[target.encode()]], dtype=object),
+                  "input_lengths": np.array([[0]], dtype=np.int32)}
+        if self._auth is not None:
+            arrays[AUTH_INPUT] = self._auth.token(CANCEL, target)
+        control = self._request(self._generation, arrays, f"{target}-cancel", ["output_ids", "sequence_length"])
         for _ in control.exec(decoupled=True):
             pass
 
@@ -81,7 +91,10 @@ class DisaggregatedBLS:
         streaming = bool(np.asarray(inputs.get("streaming", np.array([[False]]))).reshape(-1)[0])
         published = pulled = False  # a region holds the history / the generation side has taken it
         try:
+            check_limits(inputs, self._limits)  # before the context phase does any work for it
             context_inputs = {**inputs, "request_type": np.array([[b"context_only"]], dtype=object)}
+            if self._auth is not None:
+                context_inputs[AUTH_INPUT] = self._auth.token(CONTEXT, request_subject(context_id, inputs))
             try:
                 first, params = self._context.call(context_inputs, context_id)
             except ContextPhaseError as error:
@@ -95,6 +108,9 @@ class DisaggregatedBLS:
                 sender.send(response(pb, output_arrays([first])))
             generation_inputs = {**inputs, "request_type": np.array([[b"generation_only"]], dtype=object),
                                  "context_phase_params": params.reshape(1, -1)}
+            if self._auth is not None:
+                generation_inputs[AUTH_INPUT] = self._auth.token(GENERATION,
+                                                                 request_subject(f"{request_id}-gen", inputs))
             tokens: list[int] = []
             skip_first, cancelled = True, False
             for inner in self._request(self._generation, generation_inputs, f"{request_id}-gen",

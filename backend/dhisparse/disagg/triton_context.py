@@ -20,6 +20,7 @@ import numpy as np
 
 from dhisparse.disagg.prefill import PrefillService
 from dhisparse.errors import InvalidRequestError
+from dhisparse.serving.limits import RequestLimits
 from dhisparse.serving.llm_request import parse_llm_request
 
 CONTEXT_ONLY = "context_only"
@@ -38,8 +39,10 @@ class ContextService:
     """Serialises prefills and region releases over one :class:`PrefillService`."""
 
     def __init__(self, service: PrefillService, poll_interval_s: float = 0.002, metrics: Any = None,
-                 metrics_interval_s: float = 0.25) -> None:
-        self.service = service
+                 metrics_interval_s: float = 0.25, key: bytes = b"", limits: RequestLimits | None = None) -> None:
+        if len(key) < 16:
+            raise ValueError("ContextService needs the deployment's internal key: it signs every context_phase_params")
+        self.service, self._key, self._limits = service, key, limits or RequestLimits()
         self._metrics, self._metrics_interval_s = metrics, metrics_interval_s
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -53,13 +56,13 @@ class ContextService:
         kind = request_type(inputs, CONTEXT_ONLY)
         if kind != CONTEXT_ONLY:
             raise InvalidRequestError(f"request_type must be {CONTEXT_ONLY!r} for the context model, got {kind!r}")
-        request = parse_llm_request(inputs)
+        request = parse_llm_request(inputs, self._limits)
         with self._lock:
             params = self.service.run(request.prompt_token_ids, request.params, request_id, arrival=arrival)
         return {
             "output_ids": np.asarray([[[params.first_token]]], dtype=np.int32),
             "sequence_length": np.asarray([[1]], dtype=np.int32),
-            "context_phase_params": params.to_numpy(),
+            "context_phase_params": params.to_numpy(self._key),
         }
 
     def cancel(self, request_id: str) -> int:

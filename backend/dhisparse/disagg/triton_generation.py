@@ -18,6 +18,10 @@ not restore its invariants after a fault (``engine.dead``), or whose step raised
 gets an error, new requests are refused with it, and ``on_engine_dead`` is called once (the Triton model then
 unloads itself, like the co-located `dhisparse` model, so its readiness turns false and ``dhisparse-serve``
 stops the server and exits with code 3).
+
+Trust: ``start`` checks the params against this engine and the request (``trust.check_context``) and refuses a
+context phase imported before (``trust.ImportLedger``) before anything is queued. Shutdown: with a ``DrainWatch``,
+new requests are refused once the server drains and the open ones still running after the grace get its error.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from typing import Any
 
 from dhisparse.disagg.decode import DecodeEngine
 from dhisparse.disagg.params import ContextPhaseParams
+from dhisparse.disagg.trust import ImportLedger, check_context
 from dhisparse.errors import EngineDeadError
+from dhisparse.serving.drain import DrainWatch
 from dhisparse.serving.engine_metrics import EngineMetrics
 from dhisparse.serving.llm_request import LLMRequest, output_arrays
 from dhisparse.serving.stop_sequences import StopSequenceMatcher
@@ -45,8 +51,10 @@ class GenerationService:
     """Serve imported requests from a :class:`DecodeEngine` (see the module docstring)."""
 
     def __init__(self, pb: Any, engine: DecodeEngine, metrics: EngineMetrics | None, interval_s: float = 0.25,
-                 idle_wait_s: float = 0.01, on_engine_dead: Callable[[str], None] | None = None) -> None:
+                 idle_wait_s: float = 0.01, on_engine_dead: Callable[[str], None] | None = None,
+                 drain: DrainWatch | None = None) -> None:
         self._pb, self.engine, self._metrics = pb, engine, metrics
+        self._drain, self._ledger = drain, ImportLedger()
         self._on_engine_dead = on_engine_dead
         self.dead: str | None = None  # why the engine stopped (None: serving)
         self._interval_s, self._idle_wait_s = interval_s, idle_wait_s
@@ -69,7 +77,11 @@ class GenerationService:
         prompt = request.prompt_token_ids
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if self._drain is not None:
+            self._drain.refuse_new_requests()
         self.engine.validate(prompt, request.params)
+        check_context(context, self.engine, prompt)  # the params fit this engine and this request
+        self._ledger.take(context)  # and were not imported before
         request_id = f"gen-{next(self._ids)}"
         updates: queue.Queue = queue.Queue()
         with self._lock:
@@ -137,6 +149,7 @@ class GenerationService:
         if now - last_metrics >= self._interval_s:
             last_metrics = now
             self._poll_cancelled()
+            self._drain_expired()
             stats = self.engine.stats()
             with self._lock:
                 self._stats = stats
@@ -164,6 +177,19 @@ class GenerationService:
             updates.put(_CANCELLED)
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    def _drain_expired(self) -> None:
+        """Once the shutdown grace is over, end every open request with the drain's error (and abort it)."""
+        if self._drain is None:
+            return
+        self._drain.poll()
+        if not self._drain.expired:
+            return
+        with self._lock:
+            ending = list(self._open)
+        for request_id in ending:
+            self._deliver(request_id, self._drain.stopped())
+            self._inbox.put(("abort", request_id))
 
     def cancel_client(self, client_id: str) -> bool:
         """Cancel the open request started with Triton request id ``client_id``; False when there is none."""

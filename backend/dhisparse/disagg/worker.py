@@ -14,6 +14,7 @@ arrives.
 from __future__ import annotations
 
 import multiprocessing as mp
+import secrets
 import time
 from dataclasses import asdict
 from multiprocessing.connection import Connection
@@ -21,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from dhisparse.disagg.params import ContextPhaseParams
-from dhisparse.engine.sampling import SamplingParams
+from dhisparse.sampling import SamplingParams
 
 
 def _serve(engine_dir: str, variants: dict[str, dict[str, Any]], agent_name: str, hold_timeout_s: float,
-           conn: Connection) -> None:
+           conn: Connection, key: bytes) -> None:
     import torch
 
     from dhisparse.disagg.nixl_transfer import NixlExporter
@@ -52,7 +53,7 @@ def _serve(engine_dir: str, variants: dict[str, dict[str, Any]], agent_name: str
             try:
                 params = services[variant].run(prompt, SamplingParams(**sampling), request_id,
                                                arrival=time.perf_counter())
-                conn.send(("ok", params.to_bytes()))
+                conn.send(("ok", params.to_bytes(key)))
             except Exception as error:
                 conn.send(("error", f"{type(error).__name__}: {error}"))
     except (EOFError, KeyboardInterrupt):
@@ -70,7 +71,8 @@ class ContextWorker:
         """``overrides`` configure the default variant ``""``; ``variants`` adds named ones."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        args = (str(engine_dir), {"": overrides, **(variants or {})}, agent_name, hold_timeout_s, child)
+        self.key = secrets.token_bytes(32)  # signs the params, as the deployment's internal key does
+        args = (str(engine_dir), {"": overrides, **(variants or {})}, agent_name, hold_timeout_s, child, self.key)
         self.process = ctx.Process(target=_serve, args=args, name=f"dhisparse-{agent_name}", daemon=True)
         self.process.start()
         child.close()
@@ -88,7 +90,7 @@ class ContextWorker:
         status, payload = self._conn.recv()
         if status != "ok":
             raise RuntimeError(f"context phase of {request_id!r} failed: {payload}")
-        return ContextPhaseParams.from_bytes(payload)
+        return ContextPhaseParams.from_bytes(payload, self.key)
 
     def stats(self) -> dict[str, float]:
         self._conn.send(("stats",))

@@ -11,11 +11,12 @@ import torch
 
 from dhisparse import defaults
 from dhisparse.errors import ConfigError
-from dhisparse.kv.policies import ENGINE_POLICIES, policy_named
+from dhisparse.kv.config import KVConfig
+from dhisparse.kv.policies import ENGINE_POLICIES, KVPolicy, policy_named
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 KV_POLICIES = ENGINE_POLICIES  # the hierarchy's policies and the dense reference (dhisparse.kv.policies)
-SPECULATIVE = (None, "dflash2", "dspark")
+SPECULATIVE = (None, "dflash", "dflash2", "dspark")  # drafter families (dhisparse.spec.published.formats)
 KV_DTYPES = ("auto", "fp8")
 KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection
 
@@ -24,35 +25,36 @@ KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection
 class EngineConfig:
     """Serving defaults. Byte quantities are bytes; row quantities are KV rows (tokens of one source)."""
 
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_batch_size: int = 32
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
-    max_new_tokens_limit: int = 0  # 0: up to max_model_len
-    prefill_chunk_tokens: int = 512
-    max_prefill_tokens_per_step: int = 4096
-    kv_policy: str = defaults.KV_POLICY
-    pool_bytes: int = 256 * 1024 * 1024  # 0 ("auto"): the device's free memory less the workspace bound
+    dtype: str = defaults.DTYPE
+    device: str = defaults.DEVICE
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    max_model_len: int = defaults.MAX_MODEL_LEN  # 0: the model's max_position_embeddings
+    max_new_tokens_limit: int = defaults.MAX_NEW_TOKENS_LIMIT  # 0: up to max_model_len
+    prefill_chunk_tokens: int = defaults.PREFILL_CHUNK_TOKENS
+    max_prefill_tokens_per_step: int = defaults.MAX_PREFILL_TOKENS_PER_STEP
+    kv_policy: KVPolicy | str = defaults.KV_POLICY  # a name is turned into its policy object (validated)
+    pool_bytes: int = defaults.POOL_BYTES  # 0 ("auto"): the device's free memory less the workspace bound
     hot_rows: int = defaults.HOT_ROWS  # 0: index_topk, with or without speculation (overflow goes to staging)
     page_rows: int = defaults.PAGE_ROWS
     reserve_bytes: int = defaults.RESERVE_BYTES
-    host_bytes: int = 0  # 0: half of the machine's physical memory
-    kv_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy policies only)
-    index_key_dtype: str = "auto"  # "auto": indexer keys in the model dtype; "fp8": e4m3 + a float32 scale per key
-    stream_prefill: bool = True  # prompts go to their host pages chunk by chunk (host-store policies, native rows)
+    host_bytes: int = defaults.HOST_BYTES  # 0: half of the machine's physical memory
+    kv_dtype: str = defaults.KV_DTYPE  # "auto": rows in the model dtype; "fp8": FlashMLA's FP8 rows (hierarchy only)
+    index_key_dtype: str = defaults.INDEX_KEY_DTYPE  # "auto": the model dtype; "fp8": e4m3 + a float32 scale per key
+    stream_prefill: bool = defaults.STREAM_PREFILL  # prompts go to their host pages chunk by chunk (host-store, native)
     refill_pages_per_step: int = defaults.REFILL_PAGES_PER_STEP
-    speculative: str | None = None
+    speculative: str | None = defaults.SPECULATIVE
     num_draft_tokens: int = defaults.NUM_DRAFT_TOKENS
-    dspark_busy_batch: int = 8  # DSpark: a batch at least this large counts as busy
-    dspark_min_confidence: float = 0.0  # DSpark: verify only the draft prefix this likely to be accepted …
-    dspark_busy_confidence: float = 0.3  # … or this likely when the batch is busy (load-aware shortening)
-    fault_injection: str = ""  # drills and tests only: "site@n,…" (see engine/faults.py); "" = off
-    kernels: str = "auto"  # auto | cuda | torch: CUDA kernels in the request path on a GPU (self-checked)
+    dspark_busy_batch: int = defaults.DSPARK_BUSY_BATCH  # DSpark: a batch at least this large counts as busy
+    dspark_min_confidence: float = defaults.DSPARK_MIN_CONFIDENCE  # DSpark: verify the draft prefix this likely …
+    dspark_busy_confidence: float = defaults.DSPARK_BUSY_CONFIDENCE  # … or this likely when the batch is busy
+    fault_injection: str = defaults.FAULT_INJECTION  # drills and tests only: "site@n,…" (engine/faults.py); "" = off
+    kernels: str = defaults.KERNELS  # auto | cuda | torch: CUDA kernels in the request path on a GPU (self-checked)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         policy = policy_named(self.kv_policy, "kv_policy")
+        object.__setattr__(self, "kv_policy", policy)
         if self.kernels not in KERNELS:
             raise ConfigError(f"kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.kv_dtype not in KV_DTYPES:
@@ -66,7 +68,7 @@ class EngineConfig:
             raise ConfigError("index_key_dtype 'fp8' needs a KV hierarchy policy (resident, hisparse or adaptive), "
                               "not the dense reference store")
         if self.speculative not in SPECULATIVE:
-            raise ConfigError(f"speculative must be None, 'dflash2' or 'dspark', got {self.speculative!r}")
+            raise ConfigError(f"speculative must be None, 'dflash', 'dflash2' or 'dspark', got {self.speculative!r}")
         for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "page_rows",
                      "refill_pages_per_step", "num_draft_tokens"):
             if getattr(self, name) < 1:
@@ -83,6 +85,16 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def kv_config(self, max_query_len: int, draft_ring_bytes: int, max_model_len: int) -> KVConfig:
+        """The KV hierarchy's budget and policy for this configuration (``max_query_len``: 1, or gamma + 1 when
+        speculating; ``draft_ring_bytes``: the drafter's ring per request, required memory)."""
+        return KVConfig(
+            policy=self.kv_policy, pool_bytes=self.pool_bytes, hot_rows=self.hot_rows, page_rows=self.page_rows,
+            reserve_bytes=self.reserve_bytes, refill_pages_per_step=self.refill_pages_per_step,
+            max_query_len=max_query_len, draft_ring_bytes=draft_ring_bytes, host_bytes=self.host_bytes,
+            # The persistent batch state (kv/batch_state.py) is allocated once for these.
+            max_batch_size=self.max_batch_size, max_model_len=max_model_len)
+
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
@@ -90,8 +102,14 @@ class EngineConfig:
             raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return replace(self, **overrides)
 
+    @property
+    def policy(self) -> KVPolicy:
+        """The KV policy object (``kv_policy`` after validation)."""
+        assert isinstance(self.kv_policy, KVPolicy)
+        return self.kv_policy
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        return json.dumps({**asdict(self), "kv_policy": self.policy.name}, indent=2, sort_keys=True)
 
     @classmethod
     def load(cls, path: Path) -> EngineConfig:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.llm_engine import LLMEngine
+from dhisparse.engine.loading import load_engine_parts
 from dhisparse.engine.request import RequestOutput, RequestUpdate
-from dhisparse.errors import CheckpointError, RequestFailedError
-from dhisparse.model.loading import build_model, load_any_state_dict, read_any_config
+from dhisparse.errors import RequestFailedError
+from dhisparse.kv.store import KVStore
 from dhisparse.sampling.params import SamplingParams
 
 
@@ -19,28 +19,14 @@ class LLM:
 
     ``runtime_overrides`` replace fields of the engine's ``runtime.json`` (see ``EngineConfig``), e.g.
     ``kv_policy="hisparse"``, ``pool_bytes=…``, ``hot_rows=…``, ``page_rows=…``, ``reserve_bytes=…``.
+    ``wrap_kv``: see :class:`LLMEngine` (an observer of the KV store, e.g. a trace recorder).
     """
 
-    def __init__(self, engine_dir: str | Path, **runtime_overrides: Any) -> None:
+    def __init__(self, engine_dir: str | Path, *, wrap_kv: Callable[[KVStore], KVStore] | None = None,
+                 **runtime_overrides: Any) -> None:
         self.engine_dir = Path(engine_dir)
-        if not self.engine_dir.is_dir():
-            raise CheckpointError(f"{self.engine_dir}: engine directory not found")
-        self.config = EngineConfig.load(self.engine_dir / "runtime.json").with_overrides(**runtime_overrides)
-        model_cfg = read_any_config(self.engine_dir)
-        weights = load_any_state_dict(self.engine_dir, model_cfg, self.config.torch_dtype)
-        import torch
-
-        device = torch.device(self.config.device)
-        model = build_model(model_cfg, weights, self.config.torch_dtype, device)
-        speculator = None
-        if self.config.speculative:
-            from dhisparse.spec.speculator import Speculator
-
-            speculator = Speculator(
-                self.engine_dir / "drafters" / self.config.speculative, self.config.num_draft_tokens,
-                self.config.max_batch_size, model_cfg, device, min_confidence=self.config.dspark_min_confidence,
-                busy_confidence=self.config.dspark_busy_confidence, busy_batch=self.config.dspark_busy_batch)
-        self.engine = LLMEngine(model, self.config, speculator)
+        self.config, model, speculator = load_engine_parts(self.engine_dir, **runtime_overrides)
+        self.engine = LLMEngine(model, self.config, speculator, wrap_kv=wrap_kv)
 
     # ---------------------------------------------------------------------------------------- properties
     @property

@@ -10,13 +10,25 @@ import itertools
 import queue
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from dhisparse.engine.llm import LLM
 from dhisparse.engine.request import RequestUpdate
 from dhisparse.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from dhisparse.sampling.params import SamplingParams
 
-_END = object()
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+    reason: str
 
 
 class RequestStream:
@@ -24,12 +36,12 @@ class RequestStream:
 
     def __init__(self, request_id: str, loop: EngineLoop) -> None:
         self.request_id, self._loop = request_id, loop
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[RequestUpdate | BaseException | None] = queue.Queue()  # None: the end
 
     def __iter__(self) -> Iterator[RequestUpdate]:
         while True:
             item = self._queue.get()
-            if item is _END:
+            if item is None:
                 return
             if isinstance(item, BaseException):
                 raise item
@@ -50,7 +62,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM, idle_wait_s: float = 0.05) -> None:
         self.llm, self.engine = llm, llm.engine
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.Queue[_Add | _Cancel] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -89,7 +101,7 @@ class EngineLoop:
                 raise InvalidRequestError(f"request id {rid!r} is already in use")
             stream = RequestStream(rid, self)
             self._streams[rid] = stream
-            self._inbox.put(("add", rid, prompt, params))
+            self._inbox.put(_Add(rid, prompt, params))
         self._wake.set()
         return stream
 
@@ -97,7 +109,7 @@ class EngineLoop:
         """Stop a request wherever it is (queued, waiting for admission, running) and free all it holds. Its
         stream ends with a finishing update of ``reason``: ``"abort"`` (a cancelled request) or ``"stop"``
         (the caller matched a stop sequence: the request counts as finished, not aborted)."""
-        self._inbox.put(("cancel", request_id, reason))
+        self._inbox.put(_Cancel(request_id, reason))
         self._wake.set()
 
     def stats(self) -> dict[str, float]:
@@ -124,14 +136,13 @@ class EngineLoop:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                _, rid, prompt, params = msg
+            if isinstance(msg, _Add):
                 try:
-                    self.engine.add_request(prompt, params, rid)
+                    self.engine.add_request(msg.prompt, msg.params, msg.request_id)
                 except Exception as exc:
-                    self._close_stream(rid, exc)
+                    self._close_stream(msg.request_id, exc)
             else:
-                _, rid, reason = msg
+                rid, reason = msg.request_id, msg.reason
                 if self.engine.abort_request(rid, reason):
                     self.engine.pop_finished(rid)
                     self._close_stream(rid, None, RequestUpdate(rid, [], True, reason))
@@ -143,7 +154,7 @@ class EngineLoop:
             return
         if update is not None:
             stream._queue.put(update)
-        stream._queue.put(error if error is not None else _END)
+        stream._queue.put(error)  # None ends the stream
 
     def _deliver(self, updates: list[RequestUpdate]) -> None:
         for update in updates:

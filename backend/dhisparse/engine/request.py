@@ -32,7 +32,7 @@ class Request:
     first_token_time: float | None = None
     admitted_time: float | None = None
     finish_time: float | None = None
-    spec_state: object | None = None  # drafter state when speculating
+    spec_state: int | None = None  # the drafter's ring slot when speculating
     kv_admitted: bool = False  # the KV manager holds memory for it (try_admit said yes, not released yet)
     error: str | None = None  # why it failed (finish_reason "error")
     counters: dict[str, float] = field(default_factory=dict)
@@ -41,6 +41,12 @@ class Request:
     context_logits: torch.Tensor | None = None  # [prompt_len, V] until sent with the first update
     cum_log_prob: float = 0.0  # sum of the generated tokens' log-probabilities (when params.logprobs)
     output_log_probs: list[float] = field(default_factory=list)  # per generated token (when params.logprobs)
+    stop_ids: frozenset[int] = frozenset()  # params.stop_token_ids, as a set (set at creation)
+    processes_logits: bool = False  # params.processes_logits (set at creation)
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
+        self.processes_logits = self.params.processes_logits
 
     @property
     def prompt_len(self) -> int:

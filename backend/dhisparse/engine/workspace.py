@@ -14,7 +14,7 @@ scores keys ``INDEX_TILE_TOKENS`` at a time and queries ``QUERY_TILE_TOKENS`` at
 its selected rows ``QUERY_TILE_TOKENS`` queries at a time: neither grows with the context, and the attention part
 is capped by ``index_topk`` (rows attended per query), not by the chunk. What scales with ``max_model_len`` is the
 prefill's own KV: with a host store (``hisparse``/``adaptive``, native rows) prompts stream into their host pages
-chunk by chunk (``engine/prefill_stream.py``) and their indexer keys into the request's key pages, so nothing
+chunk by chunk (``kv/prefill_stream.py``) and their indexer keys into the request's key pages, so nothing
 scales (with FP8 keys the prompt's exact keys are held until import: ``index_head_dim`` values per token and
 indexer layer); otherwise (``resident``, FP8 rows, the dense reference) the
 prefill's ``LocalKV`` holds the whole prompt's rows and keys until import.
@@ -25,13 +25,23 @@ layers) and is checked against torch's memory profiler in tests/engine/test_work
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
 
+from dhisparse.device import resolve_device
+from dhisparse.engine.config import EngineConfig
+from dhisparse.errors import ConfigError
+from dhisparse.kv.batch_state import BatchState
+from dhisparse.kv.config import KVConfig, KVLayout
+from dhisparse.kv.factory import hierarchy_layout, is_deepseek_v4, streams_prefill
+from dhisparse.kv.policies import policy_named
 from dhisparse.model import attention as mla
 from dhisparse.model.config import ModelConfig
+from dhisparse.model.deepseek_v4.config import DeepseekV4Config
+from dhisparse.spec.speculator import Speculator
 
 F32, I64 = 4, 8
 
@@ -65,7 +75,7 @@ def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int
                     streamed_prefill: bool = False, kv_fixed_bytes: int = 0,
                     keys_in_place: bool = False) -> WorkspaceBound:
     """The bound for one engine configuration (see the module docstring). ``streamed_prefill``: prompts stream
-    into their host pages chunk by chunk (``engine/prefill_stream.py``), so the prefill holds one chunk of rows.
+    into their host pages chunk by chunk (``kv/prefill_stream.py``), so the prefill holds one chunk of rows.
     ``kv_fixed_bytes``: the KV side's fixed state beside the arena (:func:`kv_fixed_bytes`). ``keys_in_place``: the
     streamed prefill writes the prompt's indexer keys into the request's key pages (native keys), so it holds none."""
     e = dtype.itemsize
@@ -112,11 +122,42 @@ def workspace_bound(cfg: ModelConfig, dtype: torch.dtype, *, max_batch_size: int
     return WorkspaceBound(indexer, attention, resolver, activations, prefill_kv, kv_fixed_bytes)
 
 
-def kv_fixed_bytes(layout, config, ring_tensor_bytes: int = 0) -> int:
+def plan_device(model_cfg: ModelConfig | DeepseekV4Config, cfg: EngineConfig, spec: Speculator | None,
+                query_len: int, max_model_len: int) -> tuple[EngineConfig, WorkspaceBound | None, KVConfig | None]:
+    """The device plan of an engine: its configuration with ``pool_bytes`` resolved (0 = "auto": the device's free
+    memory less the workspace bound), the workspace bound (``None`` for deepseek_v4, which has none yet) and the
+    hierarchy's :class:`KVConfig` (``None`` for the dense reference store)."""
+    policy = policy_named(cfg.kv_policy, "kv_policy")
+    ring = spec.ring_bytes_per_request if spec is not None else 0
+    workspace = None
+    if not is_deepseek_v4(model_cfg):
+        assert isinstance(model_cfg, ModelConfig)
+        ring_tensors = 0 if spec is None else sum(t.numel() * t.element_size()
+                                                  for t in (spec.ring.rows, spec.ring.count))
+        fixed = ring_tensors
+        if not policy.reference_store:
+            sized = dataclasses.replace(cfg, pool_bytes=max(cfg.pool_bytes, cfg.reserve_bytes + 1))
+            layout = hierarchy_layout(model_cfg, cfg.torch_dtype, cfg.kv_dtype, cfg.index_key_dtype)
+            fixed = kv_fixed_bytes(layout, sized.kv_config(query_len, ring, max_model_len), ring_tensors)
+        workspace = workspace_bound(
+            model_cfg, cfg.torch_dtype, max_batch_size=cfg.max_batch_size,
+            prefill_chunk_tokens=cfg.prefill_chunk_tokens, query_len=query_len, max_model_len=max_model_len,
+            page_rows=cfg.page_rows,
+            hot_rows=cfg.hot_rows or model_cfg.index_topk,
+            streamed_prefill=streams_prefill(model_cfg, policy, cfg.stream_prefill, cfg.kv_dtype),
+            kv_fixed_bytes=fixed, keys_in_place=cfg.index_key_dtype != "fp8")
+    if cfg.pool_bytes == 0:  # "auto"
+        if workspace is None:
+            raise ConfigError("pool_bytes 0 ('auto') needs the device workspace bound, which is not modelled "
+                              "for deepseek_v4; set pool_bytes")
+        cfg = dataclasses.replace(cfg, pool_bytes=auto_pool_bytes(resolve_device(cfg.device), workspace))
+    kv_config = None if policy.reference_store else cfg.kv_config(query_len, ring, max_model_len)
+    return cfg, workspace, kv_config
+
+
+def kv_fixed_bytes(layout: KVLayout, config: KVConfig, ring_tensor_bytes: int = 0) -> int:
     """Device bytes the KV hierarchy allocates beside the arena for a fixed-size configuration: the persistent batch
     state, the draft ring's tensors and the arena's scratch and zero pages (``kv/device_pool.py``)."""
-    from dhisparse.kv.batch_state import BatchState  # late: dhisparse.kv imports the model package
-
     return (BatchState.size_bytes(layout, config) + ring_tensor_bytes
             + 2 * config.page_rows * layout.row_bytes)
 

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
-ABI_VERSION = 2
+from dhisparse.kernels import native
+
+ABI_VERSION = 3
 REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_PLUGINS = REPO_ROOT / "build" / "native" / "plugins"
 
 # Kinds of dhs_launch_layout / dhs_launch_fields / dhs_launch_plan (DHS_LAUNCH_* in c_api.h).
-KIND_RESOLVER, KIND_ROW_COPY, KIND_SPARSE_MLA, KIND_PLAN = 0, 1, 2, 3
+KIND_RESOLVER, KIND_ROW_COPY, KIND_SPARSE_MLA, KIND_PLAN, KIND_STEP_RESOLVER = 0, 1, 2, 3, 4
 # LaunchPlan.status (dhisparse::PlanStatus).
 PLAN_OK, PLAN_EMPTY = 0, 1
 PLAN_ERRORS = {-1: "a size is negative or out of range", -2: "index_bytes must be 4 or 8",
@@ -64,6 +66,19 @@ class SparseMlaArgs(ctypes.Structure):
     ]
 
 
+_STEP_SIZES = ("batch", "n", "groups", "hot_rows", "page_rows", "num_pages", "host_num_pages", "num_sources",
+               "num_slots", "staging_rows", "staging_count", "table_row_stride", "table_source_stride",
+               "hot_slot_stride", "hot_source_stride", "host_slot_stride", "host_source_stride", "staging_slot_stride",
+               "staging_group_stride")
+_STEP_POINTERS = ("stamp", "positions", "lengths", "sources", "slots", "page_table", "hot_pos", "hot_stamp", "hot_loc",
+                  "host_pages", "staging_slots", "staging_loc", "locations", "steps", "fetch_src", "fetch_dst",
+                  "counts", "staged", "flags")
+
+
+class StepResolveArgs(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in _STEP_SIZES] + [(name, _ptr) for name in _STEP_POINTERS]
+
+
 class LaunchPlan(ctypes.Structure):
     _fields_ = [
         ("status", _i32), ("grid_x", _i32), ("grid_y", _i32), ("block", _i32), ("shared_bytes", _i64),
@@ -73,6 +88,7 @@ class LaunchPlan(ctypes.Structure):
 
 STRUCT_OF_KIND: dict[int, type[ctypes.Structure]] = {
     KIND_RESOLVER: ResolverArgs, KIND_ROW_COPY: RowCopyArgs, KIND_SPARSE_MLA: SparseMlaArgs, KIND_PLAN: LaunchPlan,
+    KIND_STEP_RESOLVER: StepResolveArgs,
 }
 
 
@@ -114,6 +130,66 @@ def pack_resolver(
         hot_stamp_out=out["hot_stamp"].data_ptr(), copy_position=out["copy_position"].data_ptr(),
         copy_slot=out["copy_slot"].data_ptr(), copy_location=out["copy_location"].data_ptr(),
         summary=out["summary"].data_ptr(),
+    )
+
+
+def pack_step_resolver(
+    stamp: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None, sources: torch.Tensor,
+    slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
+    hot_loc: torch.Tensor, host_pages: torch.Tensor | None, staging: tuple[torch.Tensor, torch.Tensor] | None,
+    page_rows: int, out: dict[str, torch.Tensor],
+) -> StepResolveArgs:
+    """Step-resolver arguments (``StepResolveArgs`` of launch.h), all int64: ``stamp [1]``, ``positions [B, N]``,
+    ``lengths [B]`` (or None), ``sources [G]``, ``slots [B]``, ``page_table [B, S, M]`` (a snapshot by request),
+    ``hot_pos / hot_stamp / hot_loc [slots, S, H]`` (one layout; updated in place), ``host_pages [slots, S, M']`` or
+    None, ``staging`` = ``(staging_loc [slots, staging slots, T], staging_slots [G])`` (the batch state's staging rows
+    and each group member's staging slot) or None; 3-D tensors need a contiguous last dimension. ``out``:
+    ``locations`` ``[G, B, N]``, ``steps`` (int8, optional), ``fetch_src`` / ``fetch_dst`` ``[G, B, N]``, ``counts
+    [B, 3]`` (added to), ``staged [B]`` (optional, added to), ``flags`` int32 ``[1]`` (or-ed into)."""
+    staging_loc, staging_slots = staging if staging is not None else (None, None)
+    for name, t in (("stamp", stamp), ("positions", positions), ("sources", sources), ("slots", slots),
+                    *((k, v) for k, v in out.items() if v is not None), ("lengths", lengths),
+                    ("staging_slots", staging_slots)):
+        if t is None:
+            continue
+        want = torch.int32 if name == "flags" else torch.int8 if name == "steps" else torch.int64
+        if t.dtype != want or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {want} tensor, got {t.dtype} {list(t.shape)}")
+    for name, t in (("page_table", page_table), ("hot_pos", hot_pos), ("hot_stamp", hot_stamp),
+                    ("hot_loc", hot_loc), ("host_pages", host_pages), ("staging_loc", staging_loc)):
+        if t is not None and (t.dtype != torch.int64 or t.dim() != 3 or t.stride(2) != 1):
+            raise ValueError(f"{name} must be an int64 [rows, sources, width] tensor with a contiguous last "
+                             f"dimension, got {t.dtype} {list(t.shape)} strides {t.stride()}")
+    if hot_stamp.stride() != hot_pos.stride() or hot_loc.stride() != hot_pos.stride() or \
+            hot_stamp.shape != hot_pos.shape or hot_loc.shape != hot_pos.shape:
+        raise ValueError("hot_pos, hot_stamp and hot_loc must have one shape and layout")
+    batch, n = positions.shape
+    groups = sources.shape[0]
+    if out["locations"].shape != (groups, batch, n) or out["fetch_src"].shape != (groups, batch, n) or \
+            out["fetch_dst"].shape != (groups, batch, n) or out["counts"].shape != (batch, 3):
+        raise ValueError("locations / fetch_src / fetch_dst must be [G, B, N] and counts [B, 3]")
+    host = host_pages if host_pages is not None else hot_pos
+    staged_rows = 0 if staging_loc is None else staging_loc.shape[2]
+    if staged_rows and (staging_slots is None or staging_slots.shape != (groups,)
+                        or staging_loc.shape[0] != hot_pos.shape[0]):
+        raise ValueError(f"staging must be (staging_loc [slots, staging slots, T], staging_slots [G = {groups}])")
+    return StepResolveArgs(
+        batch=batch, n=n, groups=groups, hot_rows=hot_pos.shape[2], page_rows=page_rows,
+        num_pages=page_table.shape[2], host_num_pages=host.shape[2], num_sources=page_table.shape[1],
+        num_slots=hot_pos.shape[0], staging_rows=staged_rows,
+        staging_count=staging_loc.shape[1] if staged_rows else 0, table_row_stride=page_table.stride(0),
+        table_source_stride=page_table.stride(1), hot_slot_stride=hot_pos.stride(0),
+        hot_source_stride=hot_pos.stride(1), host_slot_stride=host.stride(0), host_source_stride=host.stride(1),
+        staging_slot_stride=staging_loc.stride(0) if staged_rows else 0,
+        staging_group_stride=staging_loc.stride(1) if staged_rows else 0,
+        stamp=stamp.data_ptr(), positions=positions.data_ptr(), lengths=_ptr_of(lengths),
+        sources=sources.data_ptr(), slots=slots.data_ptr(), page_table=page_table.data_ptr(),
+        hot_pos=hot_pos.data_ptr(), hot_stamp=hot_stamp.data_ptr(), hot_loc=hot_loc.data_ptr(),
+        host_pages=_ptr_of(host_pages), staging_slots=_ptr_of(staging_slots) if staged_rows else None,
+        staging_loc=_ptr_of(staging_loc) if staged_rows else None,
+        locations=out["locations"].data_ptr(), steps=_ptr_of(out.get("steps")),
+        fetch_src=out["fetch_src"].data_ptr(), fetch_dst=out["fetch_dst"].data_ptr(),
+        counts=out["counts"].data_ptr(), staged=_ptr_of(out.get("staged")), flags=out["flags"].data_ptr(),
     )
 
 
@@ -190,10 +266,12 @@ def cuda_library() -> ctypes.CDLL | None:
     lib.dhs_cuda_abi_version.restype = _i32
     if lib.dhs_cuda_abi_version() != ABI_VERSION:
         return None
-    for name, struct in (("resolver", ResolverArgs), ("row_copy", RowCopyArgs), ("sparse_mla", SparseMlaArgs)):
+    for name, struct in (("resolver", ResolverArgs), ("row_copy", RowCopyArgs), ("sparse_mla", SparseMlaArgs),
+                         ("step_resolver", StepResolveArgs)):
         fn = getattr(lib, f"dhs_cuda_launch_{name}")
         fn.restype = _i32
-        fn.argtypes = [ctypes.POINTER(struct), _ptr, _ptr] if name == "resolver" else [ctypes.POINTER(struct), _ptr]
+        with_workspace = name in ("resolver", "step_resolver")
+        fn.argtypes = [ctypes.POINTER(struct), _ptr, _ptr] if with_workspace else [ctypes.POINTER(struct), _ptr]
     lib.dhs_cuda_launch_plan.restype = _i32
     lib.dhs_cuda_launch_plan.argtypes = [_i32, _ptr, ctypes.POINTER(LaunchPlan)]
     lib.dhs_cuda_error_name.restype = ctypes.c_char_p
@@ -204,8 +282,6 @@ def cuda_library() -> ctypes.CDLL | None:
 @lru_cache(maxsize=1)
 def contract_library() -> ctypes.CDLL | None:
     """``libdhisparse_cpu.so`` with the launch contract exported (``None`` when not built)."""
-    from dhisparse import native
-
     lib = native.load()
     if lib is None:
         return None
@@ -215,7 +291,18 @@ def contract_library() -> ctypes.CDLL | None:
     lib.dhs_launch_fields.argtypes = [_i32, _ptr, ctypes.POINTER(_i64), _i32]
     lib.dhs_launch_plan.restype = _i32
     lib.dhs_launch_plan.argtypes = [_i32, _ptr, ctypes.POINTER(LaunchPlan)]
+    lib.dhs_emulate_launch.restype = _i32
+    lib.dhs_emulate_launch.argtypes = [_i32, _ptr]
     return lib
+
+
+def emulate_launch(kind: int, args: ctypes.Structure) -> int:
+    """Runs the resolver kernel of ``args`` (``KIND_RESOLVER`` / ``KIND_STEP_RESOLVER``) on the CPU: the CPU
+    library executes the kernel's block code (``resolver_blocks.h``) for every block of its grid with one thread,
+    over the host tensors the struct points at. Returns the plan's status (0: done)."""
+    lib = contract_library()
+    assert lib is not None, "libdhisparse_cpu.so is not built"
+    return int(lib.dhs_emulate_launch(kind, ctypes.byref(args)))
 
 
 def python_layout(kind: int) -> list[int]:

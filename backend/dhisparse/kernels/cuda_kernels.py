@@ -1,11 +1,12 @@
-"""The CUDA kernels behind the launcher layer: resolver, host→device row copy, sparse MLA decode.
+"""The CUDA kernels behind the launcher layer: resolvers, host→device row copy, sparse MLA decode.
 
-Every call packs an argument struct (:mod:`dhisparse.kernels.abi`) and launches through
+Every resolver and copy call packs an argument struct (:mod:`dhisparse.kernels.abi`) and launches through
 ``dhisparse::cuda::launch_*`` — the host code the TensorRT plugins' ``enqueue`` runs — on torch's current
 CUDA stream (or the stream given). Launches are asynchronous; nothing here synchronises with the host except
-:meth:`CudaKernels.resolve`, which compacts the copy list like :func:`dhisparse.kv.resolver.resolve` (the
-self-check uses it). The request path uses :meth:`CudaKernels.resolve_padded`, whose copy list stays padded
-with ``-1`` on the device so that the row copy can consume it without a host round trip.
+:meth:`CudaKernels.resolve`, which compacts the copy list like :func:`dhisparse.kernels.resolver.resolve` (the
+self-check uses it). The request path uses :meth:`CudaKernels.resolve_step` (an index group for the whole batch in
+one launch, fetch lists padded with ``-1`` on the device for the row copy to consume as they are). Attention runs
+the Triton-lang kernel (:mod:`dhisparse.kernels.triton_mla`) when Triton is installed, else the CUDA C++ kernel.
 """
 
 from __future__ import annotations
@@ -14,12 +15,18 @@ import ctypes
 
 import torch
 
-from dhisparse.kernels import abi
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, from_padded
+from dhisparse.kernels import abi, triton_mla
+from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution, from_padded
 
 RESOLVE_OUTPUTS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_position", "copy_slot", "copy_location",
                    "summary")
 SUMMARY_STATUS = 0
+KIND_NAMES = {abi.KIND_RESOLVER: "resolver", abi.KIND_ROW_COPY: "row copy", abi.KIND_SPARSE_MLA: "sparse MLA",
+              abi.KIND_STEP_RESOLVER: "step resolver"}
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class KernelLaunchError(RuntimeError):
@@ -32,9 +39,18 @@ class CudaKernels:
     name = "cuda"
     on_device = True
 
-    def __init__(self, lib: ctypes.CDLL, device: torch.device) -> None:
+    def __init__(self, lib: ctypes.CDLL, device: torch.device, attention: str = "auto") -> None:
+        """``attention``: ``"triton"`` (the Triton-lang kernel, :mod:`triton_mla`: rows read once per request for
+        all heads, tensor-core products), ``"cuda"`` (the CUDA C++ kernel the TensorRT plugin shares), or
+        ``"auto"``: Triton when it is installed."""
+        if attention not in ("auto", "triton", "cuda"):
+            raise ValueError(f"attention must be auto, triton or cuda, got {attention!r}")
+        if attention == "triton" and not triton_mla.available():
+            raise ValueError("attention='triton' needs Triton-lang (pip install triton)")
         self._lib = lib
         self.device = device
+        self.attention = "triton" if attention == "auto" and triton_mla.available() else (
+            "cuda" if attention == "auto" else attention)
 
     def _check(self, what: str, rc: int) -> None:
         if rc != 0:
@@ -69,18 +85,46 @@ class CudaKernels:
         stamp_t = torch.full((1,), stamp, dtype=positions.dtype, device=positions.device)
         args = abi.pack_resolver(stamp_t, positions, page_table, hot_pos, hot_stamp, hot_loc, page_rows, out)
         plan = self.plan(abi.KIND_RESOLVER, args)
-        workspace = torch.empty(max(plan.workspace_bytes, 1), dtype=torch.uint8, device=positions.device)
-        rc = self._lib.dhs_cuda_launch_resolver(ctypes.byref(args), workspace.data_ptr(), self._stream(None))
+        workspace = self._workspace(plan, positions.device)
+        rc = self._lib.dhs_cuda_launch_resolver(ctypes.byref(args), _address(workspace), self._stream(None))
         self._check("resolver", rc)
         # The caching allocator may hand these to other work as soon as Python drops them: they were used on
         # the current stream only, so ordinary stream semantics keep them valid until the kernel ran.
         return out
 
+    def resolve_step(self, stamp: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None,
+                     sources: torch.Tensor, slots: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor,
+                     hot_stamp: torch.Tensor, hot_loc: torch.Tensor, host_pages: torch.Tensor | None,
+                     staging: tuple[torch.Tensor, torch.Tensor] | None, page_rows: int,
+                     out: dict[str, torch.Tensor]) -> None:
+        """One KV step's index group (``G = sources.numel()`` sources selected by ``positions [B, N]``) for the
+        whole batch in **one launch** (``StepResolveArgs`` of launch.h; shapes in :func:`abi.pack_step_resolver`):
+        hot state updated in place in the batch state's ``slots``, ``out``'s per-entry locations and ``[G, B, N]``
+        fetch lists (host rows → arena rows, each request's copies first, ``-1`` after: the row-copy kernel's
+        input as is) written, verification staging from ``staging = (staging_loc [slots, staging slots, T],
+        staging_slots [G])`` (None: none), counts / staged added, error bits or-ed into ``out["flags"]``. Every
+        tensor on the device (``stamp`` too: a captured graph replays the launch with the next step's stamp);
+        asynchronous."""
+        args = abi.pack_step_resolver(stamp, positions, lengths, sources, slots, page_table, hot_pos, hot_stamp,
+                                      hot_loc, host_pages, staging, page_rows, out)
+        plan = self.plan(abi.KIND_STEP_RESOLVER, args)
+        workspace = self._workspace(plan, positions.device)
+        rc = self._lib.dhs_cuda_launch_step_resolver(ctypes.byref(args), _address(workspace), self._stream(None))
+        self._check("step resolver", rc)
+
+    @staticmethod
+    def _workspace(plan: abi.LaunchPlan, device: torch.device) -> torch.Tensor | None:
+        """Device workspace of a resolver plan (rows whose scratch exceeds shared memory), or None. Used on the
+        current stream only: once the caller drops it, the caching allocator reuses it after the kernel."""
+        if plan.workspace_bytes <= 0:
+            return None
+        return torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=device)
+
     def resolve(
         self, positions: torch.Tensor, page_table: torch.Tensor, hot_pos: torch.Tensor, hot_stamp: torch.Tensor,
         hot_loc: torch.Tensor, stamp: int, page_rows: int,
     ) -> Resolution:
-        """:func:`dhisparse.kv.resolver.resolve` computed by the kernel (synchronises to compact the copy list)."""
+        """:func:`dhisparse.kernels.resolver.resolve` computed by the kernel (synchronises to compact the copy list)."""
         out = self.resolve_padded(positions, page_table, hot_pos, hot_stamp, hot_loc, stamp, page_rows)
         status = out["summary"][:, SUMMARY_STATUS]
         if bool((status != 0).any()):
@@ -109,7 +153,11 @@ class CudaKernels:
     def sparse_mla(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, locations: torch.Tensor,
                    softmax_scale: float, kv_format: int | None = None) -> torch.Tensor:
         """Absorbed sparse MLA decode (see :func:`dhisparse.kernels.reference.sparse_mla_reference`);
-        returns ``out_lat [B, Q, H, rank]`` in ``q_lat``'s dtype."""
+        returns ``out_lat [B, Q, H, rank]`` in ``q_lat``'s dtype. A query's rows are distinct (its top-k): with
+        several queries the Triton kernel reads their union once (:mod:`dhisparse.kernels.mla_union`)."""
+        if self.attention == "triton":
+            return triton_mla.sparse_mla(q_lat, q_pe, kv, locations, softmax_scale,
+                                         fp8_rows=kv_format == abi.KV_FORMAT_FP8)
         q_lat, q_pe, locations = q_lat.contiguous(), q_pe.contiguous(), locations.contiguous()
         out = torch.empty_like(q_lat)
         args = abi.pack_sparse_mla(q_lat, q_pe, kv, locations, softmax_scale, out, kv_format)
@@ -126,5 +174,5 @@ class CudaKernels:
         plan = abi.LaunchPlan()
         status = self._lib.dhs_cuda_launch_plan(kind, ctypes.byref(args), ctypes.byref(plan))
         if status not in (abi.PLAN_OK, abi.PLAN_EMPTY):
-            raise KernelLaunchError(abi.plan_error(("resolver", "row copy", "sparse MLA")[kind], status))
+            raise KernelLaunchError(abi.plan_error(KIND_NAMES.get(kind, f"kind {kind}"), status))
         return plan

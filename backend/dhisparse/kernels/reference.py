@@ -1,12 +1,12 @@
 """Pure-torch references of the three CUDA kernels: what the self-check and ``scripts/gpu_check.py`` compare
-the kernels with. The resolver's reference is :func:`dhisparse.kv.resolver.resolve` itself.
+the kernels with. The resolver's reference is :func:`dhisparse.kernels.resolver.resolve` itself.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dhisparse.kv.resolver import Resolution
+from dhisparse.kernels.resolver import Resolution
 
 FP8_RANK, FP8_ROPE, FP8_ROW_BYTES = 512, 64, 656
 

@@ -25,8 +25,16 @@ from typing import Any
 import torch
 
 from dhisparse.errors import ConfigError
-from dhisparse.kernels import abi
-from dhisparse.kernels.self_check import CheckResult, KernelSelfCheckError, failures, run_self_check
+from dhisparse.kernels import abi, native
+from dhisparse.kernels.cuda_kernels import CudaKernels
+from dhisparse.kernels.self_check import (
+    CheckResult,
+    KernelSelfCheckError,
+    check_resolver,
+    check_step_resolution,
+    failures,
+    run_self_check,
+)
 from dhisparse.kernels.torch_kernels import TorchKernels
 
 KERNEL_OPTIONS = ("auto", "cuda", "torch")
@@ -43,7 +51,7 @@ class KernelSelection:
     reason: str
     fallback: bool = False
     self_check: list[CheckResult] = field(default_factory=list)
-    # The CPU library that resolves the torch path's steps on a CPU device (``dhisparse.native``), or None.
+    # The CPU library that resolves the torch path's steps on a CPU device (``dhisparse.kernels.native``), or None.
     native_resolver: Any = None
 
     @property
@@ -113,22 +121,18 @@ def select_kernels(
     return KernelSelection(option, kernels, f"CUDA kernels passed {len(results)} self-checks", self_check=results)
 
 
-_NATIVE_CHECKED: dict[int, list[CheckResult]] = {}  # id of the loaded library (kept by native.load) -> its check
-
-
 def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> KernelSelection:
     """Torch on a CPU device, resolving through the native CPU library when it is built and self-checks."""
-    from dhisparse import native  # late: native imports kv.resolver
-
     lib = native.load()
     if lib is None:
         return torch_selection(f"CPU device; native resolver not built ({native.library_path()})")
     if native_check is not None:
         results = native_check(lib)
-    else:  # the loaded library does not change: checked once per process (later engines start without the check)
-        results = _NATIVE_CHECKED.get(id(lib))
+    else:  # the loaded library does not change: checked once, the result kept with it (later engines skip it)
+        results = getattr(lib, "dhs_self_check", None)
         if results is None:
-            results = _NATIVE_CHECKED[id(lib)] = check_native_resolver(lib)
+            results = check_native_resolver(lib)
+            lib.dhs_self_check = results
     bad = failures(results)
     if bad is not None:
         log.warning("the native CPU resolver disagrees with the torch resolver; resolving with torch: %s", bad)
@@ -141,16 +145,11 @@ def _cpu_selection(native_check: Callable[[Any], list[CheckResult]] | None) -> K
 def check_native_resolver(lib: Any, seed: int = 0) -> list[CheckResult]:
     """The CPU library's resolver against the torch resolver on random irregular cases (the CUDA kernels'
     resolver self-check, on the CPU), and its whole-step resolution (what the KV step calls) likewise."""
-    from dhisparse import native  # its resolve() has the kernels' signature and calls the loaded ``lib``
-    from dhisparse.kernels.self_check import check_resolver, check_step_resolution
-
     g = torch.Generator().manual_seed(seed)
     return [*check_resolver(native, torch.device("cpu"), g), *check_step_resolution(native, lib, g)]
 
 
 def _load_built_kernels(device: torch.device) -> Any:
-    from dhisparse.kernels.cuda_kernels import CudaKernels
-
     lib = abi.cuda_library()
     return None if lib is None else CudaKernels(lib, device)
 

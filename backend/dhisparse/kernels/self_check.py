@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from dhisparse.host_values import to_device
+from dhisparse.kernels.resolver import Resolution, resolve
 from dhisparse.kernels.torch_kernels import TorchKernels
-from dhisparse.kv.resolver import Resolution
 
 RESOLUTION_FIELDS = ("locations", "steps", "hot_pos", "hot_stamp", "copy_request", "copy_position", "copy_slot",
                      "copy_location", "counts")
@@ -110,18 +111,20 @@ def check_resolver(kernels: Any, device: torch.device, g: torch.Generator, cases
     return results
 
 
-def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, cases: int = 3) -> list[CheckResult]:
+def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, cases: int = 4) -> list[CheckResult]:
     """The native library's whole-step resolution (``native.resolve_step``: an index group's sources for a batch
     whose requests sit in scattered slots of the batch state) against the torch resolver run per request and
     source: locations, the hot state left in the slots, the counts and each source's host → arena copy list; and its
-    direct-only form (page-table lookups of a fully mapped table) against what ``resolve`` finds there."""
-    from dhisparse.kv.resolver import resolve
-
+    direct-only form (page-table lookups of a fully mapped table) against what ``resolve`` finds there. Every other
+    case has verification staging (a hot cache smaller than the selection, a staging slot per group member): rows past
+    the evictable slots are staged, as the reference stages them."""
     results = []
-    for _ in range(cases):
+    for case in range(cases):
         batch, sources, n = _randint(g, 1, 5), _randint(g, 1, 5), _randint(g, 1, 120)
         groups, pages, page_rows = _randint(g, 1, sources + 1), _randint(g, 1, 12), _randint(g, 1, 20)
-        num_slots, hot_rows = batch + _randint(g, 0, 3), n + _randint(g, 0, 40)
+        staged_case = case % 2 == 1
+        num_slots, hot_rows = batch + _randint(g, 0, 3), (_randint(g, 1, n + 1) if staged_case
+                                                          else n + _randint(g, 0, 40))
         rows = num_slots * sources
         _, table, hot_pos, hot_stamp, hot_loc = (t.view(num_slots, sources, -1) for t in resolver_case(
             g, rows, n, pages, page_rows, hot_rows))
@@ -130,32 +133,39 @@ def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, case
         slots = torch.randperm(num_slots, generator=g)[:batch]
         chosen = torch.randperm(sources, generator=g)[:groups]
         snapshot = table[slots].clone()  # the step's page-table snapshot, by request
+        staging_loc = 2 * 10**6 + torch.arange(num_slots * groups * n).view(num_slots, groups, n)
         want_pos, want_stamp = hot_pos.clone(), hot_stamp.clone()
         want_loc = torch.empty(groups, batch, n, dtype=torch.int64)
         want_counts = torch.zeros(batch, 3, dtype=torch.int64)
+        want_staged = torch.zeros(batch, dtype=torch.int64)
         want_fetch: list[tuple[list[int], list[int]]] = []
         for gi, source in enumerate(chosen.tolist()):
             src: list[int] = []
             dst: list[int] = []
             for b, slot in enumerate(slots.tolist()):
                 res = resolve(positions[b: b + 1], snapshot[b, source][None], want_pos[slot, source][None],
-                              want_stamp[slot, source][None], hot_loc[slot, source][None], 7, page_rows)
+                              want_stamp[slot, source][None], hot_loc[slot, source][None], 7, page_rows,
+                              staging_loc[slot, gi][None] if staged_case else None)
                 want_loc[gi, b] = res.locations[0]
                 want_pos[slot, source], want_stamp[slot, source] = res.hot_pos[0], res.hot_stamp[0]
                 want_counts[b] += res.counts[0]
+                want_staged[b] += res.staged[0]
                 host_page = host_pages[slot, source][res.copy_position // page_rows]
                 src += (host_page * page_rows + res.copy_position % page_rows).tolist()
                 dst += res.copy_location.tolist()
             want_fetch.append((src, dst))
         counts = torch.zeros(batch, 3, dtype=torch.int64)
+        staged = torch.zeros(batch, dtype=torch.int64)
+        staging = (staging_loc, list(range(groups)), staged) if staged_case else None
         out = native_module.resolve_step(lib, positions, torch.full((batch,), pages * page_rows), chosen, slots,
-                                         snapshot, hot_pos, hot_stamp, hot_loc, host_pages, counts, 7, page_rows)
+                                         snapshot, hot_pos, hot_stamp, hot_loc, host_pages, counts, 7, page_rows,
+                                         staging=staging)
         got_fetch = [(out.fetch_src[gi, :c].tolist(), out.fetch_dst[gi, :c].tolist())
                      for gi, c in enumerate(out.fetch_count)]
         problem = None
         for name, a, b in (("flags", torch.tensor(out.flags), torch.tensor(0)), ("locations", out.locations, want_loc),
                            ("hot_pos", hot_pos, want_pos), ("hot_stamp", hot_stamp, want_stamp),
-                           ("counts", counts, want_counts)):
+                           ("counts", counts, want_counts), ("staged", staged, want_staged)):
             if not torch.equal(a, b):
                 problem = f"{name} differ from the reference"
                 break
@@ -177,7 +187,39 @@ def check_step_resolution(native_module: Any, lib: Any, g: torch.Generator, case
                                     or not torch.equal(hot_stamp, want_stamp)):
                 problem = "direct-only counts, copies or hot state differ from the reference"
         results.append(CheckResult("step_resolution", f"B={batch} S={sources} G={groups} N={n} M={pages} "
-                                   f"P={page_rows} H={hot_rows} slots={num_slots}", problem))
+                                   f"P={page_rows} H={hot_rows} slots={num_slots} staging={staged_case}", problem))
+    return results
+
+
+def check_step_resolver(kernels: Any, device: torch.device, g: torch.Generator) -> list[CheckResult]:
+    """The one-launch step resolver (``resolve_step``: an index group for the whole batch, scattered slots, host
+    fetch lists, staging) against :meth:`TorchKernels.resolve_step` on random traces: every output and the hot state
+    left behind, exactly."""
+    from dhisparse.kernels.resolver_traces import step_outputs, step_trace
+
+    results = []
+    for staging, miss in ((0, 0.1), (0, 0.5), (90, 0.5)):
+        trace = step_trace(_randint(g, 0, 1 << 30), batch=_randint(g, 1, 6), sources=_randint(g, 2, 6), groups=2,
+                           queries=3 if staging else _randint(g, 1, 3), topk=_randint(g, 20, 70),
+                           hot_rows=50 if staging else 160, miss_rate=miss, page_rows=_randint(g, 2, 17),
+                           staging_rows=staging)
+        want, got = trace.clone(), trace.to(device)
+        want_out, got_out = step_outputs(want), step_outputs(got)
+        for kernel_set, state, out in ((TorchKernels(), want, want_out), (kernels, got, got_out)):
+            kernel_set.resolve_step(to_device([trace.stamp], torch.int64, state.positions.device), state.positions,
+                                    state.lengths, state.sources, state.slots, state.page_table, state.hot_pos,
+                                    state.hot_stamp, state.hot_loc, state.host_pages, state.staging,
+                                    trace.page_rows, out)
+        problem = None
+        for name in ("locations", "fetch_src", "fetch_dst", "counts", "staged", "flags"):
+            if not torch.equal(got_out[name].cpu(), want_out[name]):
+                problem = f"{name} differs from the reference"
+                break
+        for name in ("hot_pos", "hot_stamp"):
+            if problem is None and not torch.equal(getattr(got, name).cpu(), getattr(want, name)):
+                problem = f"{name} left differs from the reference"
+        results.append(CheckResult("step_resolver", f"B={trace.positions.shape[0]} N={trace.positions.shape[1]} "
+                                   f"staging={staging} miss={miss}", problem))
     return results
 
 
@@ -211,7 +253,11 @@ def check_sparse_mla(kernels: Any, device: torch.device, g: torch.Generator,
         kv = torch.randn(rows, rank + rope, generator=g).to(dtype)
         q_lat = torch.randn(b, q, h, rank, generator=g).to(dtype)
         q_pe = torch.randn(b, q, h, rope, generator=g).to(dtype)
-        locations = torch.randint(0, rows, (b, q, k), generator=g)
+        # A query's rows are distinct (its top-k); the queries of a request share most of them.
+        shared = torch.randperm(rows, generator=g)[:k]
+        mixed = [torch.where(torch.rand(k, generator=g) < 0.7, shared, torch.randperm(rows, generator=g)[:k])
+                 for _ in range(b * q)]
+        locations = torch.stack([_distinct(row, rows, g) for row in mixed]).view(b, q, k)
         locations[torch.rand(b, q, k, generator=g) < 0.15] = -1
         locations[0, q - 1] = -1  # a fully masked query: zeros
         scale = (rank + rope) ** -0.5
@@ -222,11 +268,24 @@ def check_sparse_mla(kernels: Any, device: torch.device, g: torch.Generator,
     return results
 
 
+def _distinct(row: torch.Tensor, rows: int, g: torch.Generator) -> torch.Tensor:
+    """``row`` with repeated values replaced by unused rows (a query selects each row once)."""
+    out = row.clone()
+    seen: set[int] = set()
+    spare = iter(torch.randperm(rows, generator=g).tolist())
+    for i, value in enumerate(out.tolist()):
+        while value in seen:
+            value = next(spare)
+        seen.add(value)
+        out[i] = value
+    return out
+
+
 def run_self_check(kernels: Any, device: torch.device, seed: int = 0) -> list[CheckResult]:
     """Every kernel of ``kernels`` on random irregular inputs against the torch reference."""
     g = torch.Generator().manual_seed(seed)
-    return [*check_resolver(kernels, device, g), *check_row_copy(kernels, device, g),
-            *check_sparse_mla(kernels, device, g)]
+    return [*check_resolver(kernels, device, g), *check_step_resolver(kernels, device, g),
+            *check_row_copy(kernels, device, g), *check_sparse_mla(kernels, device, g)]
 
 
 def failures(results: list[CheckResult]) -> str | None:

@@ -4,10 +4,10 @@ The engine talks to :class:`KVManager` only (see ``docs/kv.md``)."""
 
 from __future__ import annotations
 
+from dhisparse.kernels.resolver import HotCacheOverflowError, Resolution, resolve
 from dhisparse.kv.config import KV_POLICIES, AdmissionError, KVConfig, KVLayout
 from dhisparse.kv.invariants import InvariantError
 from dhisparse.kv.manager import KVManager
-from dhisparse.kv.resolver import HotCacheOverflowError, Resolution, resolve
 from dhisparse.kv.step import StepKV
 
 __all__ = [

@@ -54,6 +54,15 @@ class BatchState:
             zero page where none); ``KB = ceil(M * page_rows / keys_per_page)``.
     """
 
+    # The state tensors (made by ``_allocate`` from one description, ``_shapes``).
+    page_table: torch.Tensor
+    hot_pos: torch.Tensor
+    hot_stamp: torch.Tensor
+    hot_loc: torch.Tensor
+    host_pages: torch.Tensor
+    staging_loc: torch.Tensor
+    key_pages: torch.Tensor
+
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device, zero_page: int = -1) -> None:
         self.layout, self.config, self.device = layout, config, device
         self.zero_page = zero_page
@@ -68,7 +77,6 @@ class BatchState:
         self._allocate(slots, pages)
         self.free_slots = list(range(slots))
         self.owner: list[object | None] = [None] * slots  # the RequestKV of each slot (identity checks)
-        self._reports: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # see report_buffer
 
     def pages_for(self, max_model_len: int) -> int:
         """Pages per slot for requests of up to ``max_model_len`` tokens (plus a verification block)."""
@@ -107,19 +115,6 @@ class BatchState:
         empty = self._empty()
         for name, shape in self._shapes(slots, pages).items():
             setattr(self, name, torch.full(shape, empty[name], dtype=torch.int64, device=self.device))
-
-    def report_buffer(self, requests: int, flags: int) -> tuple[torch.Tensor, ...]:
-        """A step's report buffer for ``requests`` requests, zeroed: ``(buffer, counts [B, 3], staged [B], flags)``,
-        the last three views of the first (one allocation per batch size, reused by later steps)."""
-        cached = self._reports.get((requests, flags))
-        if cached is None:
-            buffer = torch.zeros(4 * requests + flags, dtype=torch.int64, device=self.device)
-            cached = self._reports[(requests, flags)] = (
-                buffer, buffer[: 3 * requests].view(requests, 3), buffer[3 * requests: 4 * requests],
-                buffer[4 * requests:])
-        else:
-            cached[0].zero_()
-        return cached
 
     @property
     def num_slots(self) -> int:

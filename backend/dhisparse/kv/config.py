@@ -239,13 +239,13 @@ class KVConfig:
             admitted request of a host-backed policy owns host pages for its whole capacity; an admission waits
             while they are not free.
         max_batch_size: the most requests admitted at once (slots of the persistent batch state,
-            ``kv/batch_state.py``); 0 = grow on demand.
+            ``kv/batch_state.py``; its initial size when it grows); 0 = grow from a few slots.
         max_model_len: the most tokens of one request (positions per slot of the batch state); 0 = grow on demand.
-            With both set the batch state is allocated once, at start.
+            With both set (the engine sets both) the batch state is allocated once, at start.
     """
 
-    policy: str = defaults.KV_POLICY
-    pool_bytes: int = 1 << 30
+    policy: KVPolicy | str = defaults.KV_POLICY  # a name is turned into its policy object (validated)
+    pool_bytes: int = defaults.POOL_BYTES
     hot_rows: int = defaults.HOT_ROWS
     page_rows: int = defaults.PAGE_ROWS
     reserve_bytes: int = defaults.RESERVE_BYTES
@@ -254,12 +254,12 @@ class KVConfig:
     draft_ring_bytes: int = 0
     staging_share: float = 1.0
     model_state_bytes: int = 0
-    host_bytes: int = 0
-    max_batch_size: int = 0
-    max_model_len: int = 0
+    host_bytes: int = defaults.HOST_BYTES
+    max_batch_size: int = defaults.MAX_BATCH_SIZE
+    max_model_len: int = defaults.MAX_MODEL_LEN
 
     def __post_init__(self) -> None:
-        policy_named(self.policy, "kv policy", KV_POLICIES)
+        object.__setattr__(self, "policy", policy_named(self.policy, "kv policy", KV_POLICIES))
         if self.pool_bytes < 1:
             raise ConfigError(f"pool_bytes must be positive, got {self.pool_bytes}")
         if self.page_rows < 1:
@@ -287,7 +287,8 @@ class KVConfig:
     @property
     def kv_policy(self) -> KVPolicy:
         """The policy object that owns this config's decisions (:mod:`dhisparse.kv.policies`)."""
-        return policy_named(self.policy, "kv policy", KV_POLICIES)
+        assert isinstance(self.policy, KVPolicy)  # made one at construction
+        return self.policy
 
     @property
     def uses_host(self) -> bool:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dhisparse.host_values import HostSync
 from dhisparse.kv.host_store import ChunkedRows
-from dhisparse.kv.host_sync import HostSync
 from dhisparse.kv.mapped_host import MappedRows
 
 
@@ -48,9 +48,9 @@ class CopyTicket:
     done: bool = False
     error: BaseException | None = None  # the copy failed: it never becomes done and ``on_done`` never runs
     # CPU: the deferred operation; CUDA: completion event and tensors kept alive until then.
-    _run: Callable[[], None] | None = field(default=None, repr=False)
+    _run: Callable[[], object] | None = field(default=None, repr=False)
     _event: object | None = field(default=None, repr=False)
-    _finish: Callable[[], None] | None = field(default=None, repr=False)
+    _finish: Callable[[], object] | None = field(default=None, repr=False)
     watched: torch.Tensor | None = field(default=None, repr=False)  # see CopyEngine.issue_gather
 
 
@@ -93,9 +93,9 @@ class CopyEngine:
     def issue(
         self,
         kind: str,
-        dst: torch.Tensor,
+        dst: torch.Tensor | ChunkedRows,
         dst_rows: torch.Tensor,
-        src: torch.Tensor,
+        src: torch.Tensor | ChunkedRows,
         src_rows: torch.Tensor,
         on_done: Callable[[], None] | None = None,
     ) -> CopyTicket:
@@ -124,7 +124,8 @@ class CopyEngine:
         self._pending.append(ticket)
         return ticket
 
-    def _issue_mapped(self, ticket: CopyTicket, dst: torch.Tensor, dst_rows: torch.Tensor, mapped: MappedRows,
+    def _issue_mapped(self, ticket: CopyTicket, dst: torch.Tensor | ChunkedRows, dst_rows: torch.Tensor,
+                      mapped: MappedRows,
                       src_rows: torch.Tensor) -> None:
         """``dst[dst_rows] = mapped.gather(src_rows)``: deferred on CPU, on the copy stream on CUDA."""
         self.mapped_copies += 1
@@ -143,8 +144,8 @@ class CopyEngine:
         ticket._event = (event, (rows, mapped, src_rows, dst, dst_rows))
 
     def _issue_cuda(
-        self, ticket: CopyTicket, dst: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor,
-        src_rows: torch.Tensor,
+        self, ticket: CopyTicket, dst: torch.Tensor | ChunkedRows, dst_rows: torch.Tensor,
+        src: torch.Tensor | ChunkedRows, src_rows: torch.Tensor,
     ) -> None:
         stream = self._stream
         assert stream is not None
@@ -156,7 +157,7 @@ class CopyEngine:
         with torch.cuda.stream(stream):
             if src.device.type == "cpu" and dst.device.type == "cpu":
                 dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
-                keep: tuple = ()
+                keep: tuple[torch.Tensor, ...] = ()
             elif src.device.type == "cpu":
                 staged = src.index_select(0, src_rows).pin_memory()
                 moved = staged.to(dst.device, non_blocking=True)
@@ -175,10 +176,10 @@ class CopyEngine:
             event.record(stream)
         ticket._event = (event, (*keep, src, src_rows, dst, dst_rows))
 
-    def _record_on_copy_stream(self, *tensors: torch.Tensor) -> None:
+    def _record_on_copy_stream(self, *tensors: torch.Tensor | ChunkedRows) -> None:
         assert self._stream is not None
         for t in tensors:
-            if t.device.type == "cuda":
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":  # a host store's chunks are never on CUDA
                 t.record_stream(self._stream)
 
     def issue_gather(

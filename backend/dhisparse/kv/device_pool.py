@@ -6,8 +6,9 @@ import heapq
 
 import torch
 
+from dhisparse.errors import ConfigError
 from dhisparse.host_values import to_device
-from dhisparse.kv.config import ConfigError, KVConfig, KVLayout
+from dhisparse.kv.config import KVConfig, KVLayout
 
 
 def keys_per_page(layout: KVLayout, page_rows: int) -> int:
@@ -29,7 +30,8 @@ def key_view(arena: torch.Tensor, pages: int, page_bytes: int, layout: KVLayout,
     flat = arena.view(-1)[: pages * page_bytes // arena.element_size()]
     elems = page_bytes // layout.key_storage_dtype.itemsize
     keys = flat.view(layout.key_storage_dtype).view(pages, elems)
-    return keys[:, : per_page * layout.key_storage_dim].unflatten(1, (per_page, layout.key_storage_dim))
+    view: torch.Tensor = keys[:, : per_page * layout.key_storage_dim].unflatten(1, (per_page, layout.key_storage_dim))
+    return view
 
 
 class BudgetError(RuntimeError):

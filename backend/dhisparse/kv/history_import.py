@@ -17,6 +17,8 @@ store, so its decode side receives the rows in a staging buffer and uses ``impor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from dhisparse.host_values import to_device
@@ -24,6 +26,7 @@ from dhisparse.kv.config import KVLayout
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.host_store import HOST_VALID, HostStore
 from dhisparse.kv.index_keys import write_request_keys
+from dhisparse.kv.policies import KVPolicy
 from dhisparse.kv.request_state import OPT_READY, RequestKV
 
 
@@ -39,10 +42,10 @@ def history_host_rows(req: RequestKV, host: HostStore) -> torch.Tensor:
     return host.rows_of(req.host_pages[:, positions // host.page_rows], positions.unsqueeze(0))
 
 
-def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostStore) -> None:
+def import_host_rows(req: RequestKV, policy: KVPolicy, pool: DevicePool, host: HostStore) -> None:
     """Place a prompt whose rows are already in the request's host pages (see the module docstring)."""
-    if policy not in ("adaptive", "hisparse"):
-        raise ValueError(f"import from host needs a policy with a host store, not {policy!r}")
+    if not policy.uses_host:
+        raise ValueError(f"import from host needs a policy with a host store, not {policy.name!r}")
     assert req.host_pages is not None
     page_rows = pool.page_rows
     device = pool.arena.device
@@ -59,7 +62,7 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
         dst = req.tail_ring[:, (pos // page_rows) % req.tail_pages] * page_rows + pos % page_rows
         rows = host.rows.index_select(0, rows_at[:, pos].reshape(-1))
         pool.arena.index_copy_(0, to_device(dst.reshape(-1), None, device), to_device(rows, pool.arena.dtype, device))
-    if policy != "adaptive" or req.prompt_pages == 0:
+    if req.prompt_pages == 0 or policy.optional_prompt_pages(length, page_rows) == 0:  # nothing stays optional
         return
 
     prompt_pages = req.prompt_pages
@@ -83,7 +86,7 @@ def import_host_rows(req: RequestKV, policy: str, pool: DevicePool, host: HostSt
                            to_device(host.rows.index_select(0, src), pool.arena.dtype, device))
 
 
-def set_index_keys(req: RequestKV, index_keys: dict[int, torch.Tensor], layout: KVLayout, pool: DevicePool,
+def set_index_keys(req: RequestKV, index_keys: Mapping[int, torch.Tensor], layout: KVLayout, pool: DevicePool,
                    layer_index: dict[int, int], what: str = "import") -> None:
     """Check and store the prompt's indexer keys ``{layer: [prompt_len, index_key_dim]}`` (every indexer layer of
     ``layer_index``) in the request's key pages, in the layout's key format (``kv/index_keys.py``). ``what`` names

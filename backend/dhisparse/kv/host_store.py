@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import heapq
-import os
 
 import torch
 
+from dhisparse.errors import DHiSparseError
 from dhisparse.kv.config import KVLayout
+from dhisparse.kv.host_memory import check_host_bytes, default_host_bytes
 from dhisparse.kv.mapped_host import MappedRows, map_chunks
+from dhisparse.kv.pinned_memory import Progress, touch_and_pin, unpin
 
 HOST_EMPTY = 0  # no copy of the page on host yet
 HOST_PENDING = 1  # a copy into the page is issued, not done
@@ -17,12 +19,19 @@ HOST_VALID = 2  # the page holds its rows (write-once: a valid page never change
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 
-def default_host_bytes() -> int:
-    """Half of the machine's physical memory: the host store's capacity when none is configured."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 16 << 30
+class HostMemoryError(DHiSparseError):
+    """The host store could not allocate a chunk (the OS refused the memory); nothing was taken."""
+
+
+def _empty_host_cache() -> None:
+    """Return torch's cached pinned blocks to the system (the caching host allocator keeps freed ones); the call's
+    name differs across torch releases."""
+    accelerator = getattr(torch, "accelerator", None)
+    for fn in (getattr(accelerator, "empty_host_cache", None), getattr(torch._C, "_host_emptyCache", None),
+               getattr(torch._C, "_accelerator_emptyHostCache", None)):
+        if fn is not None:
+            fn()
+            return
 
 
 class ChunkedRows:
@@ -41,7 +50,9 @@ class ChunkedRows:
         self.device = torch.device("cpu")
         self.chunks: list[torch.Tensor] = []
         self._allocations: list[torch.Tensor] = []  # each chunk's memory, one spare row included
+        self._registered: list[torch.Tensor] = []  # allocations pinned by preallocate (cudaHostRegister)
         self._mapped: dict[torch.device, MappedRows | None] = {}
+        self.closed = False
 
     @property
     def allocated_rows(self) -> int:
@@ -54,15 +65,63 @@ class ChunkedRows:
     def ensure(self, rows: int) -> None:
         """Allocate chunks until global rows ``0 .. rows-1`` exist (never beyond the capacity). A new chunk starts
         at a multiple of the row size; views made by :meth:`mapped` before it are dropped (the next call includes
-        it)."""
+        it). Raises :class:`HostMemoryError` when the OS refuses a chunk (the chunks allocated before stay)."""
+        if self.closed:
+            raise RuntimeError("the host store was closed")
         while self.allocated_rows < min(rows, self.capacity_rows):
             n = min(self.chunk_rows, self.capacity_rows - self.allocated_rows)
-            memory = torch.zeros((n + 1) * self.row_dim, dtype=self.dtype, pin_memory=self.pinned)
-            row_bytes = self.row_dim * memory.element_size()
-            skip = (-memory.data_ptr()) % row_bytes // memory.element_size()
-            self._allocations.append(memory)
-            self.chunks.append(memory[skip:skip + n * self.row_dim].view(n, self.row_dim))
-            self._mapped.clear()
+            try:
+                memory = torch.zeros((n + 1) * self.row_dim, dtype=self.dtype, pin_memory=self.pinned)
+            except (RuntimeError, MemoryError) as error:  # torch: "DefaultCPUAllocator: can't allocate memory"
+                raise HostMemoryError(f"the host store could not allocate a chunk of {(n + 1) * self.row_dim} "
+                                      f"values ({error})") from error
+            self._add_chunk(memory, n)
+
+    def _add_chunk(self, memory: torch.Tensor, rows: int) -> None:
+        """Chunk of ``rows`` rows inside ``memory`` (``rows + 1`` rows long), starting at a multiple of the row size."""
+        row_bytes = self.row_dim * memory.element_size()
+        skip = (-memory.data_ptr()) % row_bytes // memory.element_size()
+        self._allocations.append(memory)
+        self.chunks.append(memory[skip:skip + rows * self.row_dim].view(rows, self.row_dim))
+        self._mapped.clear()
+
+    def preallocate(self, workers: int | None = None, progress: Progress | None = None) -> None:
+        """Allocate every chunk up to the capacity now (a server's start, not its first admissions): pageable memory
+        first-touched by ``workers`` threads and, on CUDA, page-locked chunk by chunk
+        (:func:`~dhisparse.kv.pinned_memory.touch_and_pin`); ``progress(bytes_done, bytes_total)`` after each chunk."""
+        if self.closed:
+            raise RuntimeError("the host store was closed")
+        sizes, rows = [], self.allocated_rows
+        while rows < self.capacity_rows:
+            sizes.append(min(self.chunk_rows, self.capacity_rows - rows))
+            rows += sizes[-1]
+        memories = [torch.empty((n + 1) * self.row_dim, dtype=self.dtype) for n in sizes]
+        pinned: list[torch.Tensor] = []
+        try:
+            touch_and_pin(memories, self.pinned, workers, progress, pinned)
+        except BaseException:
+            for memory in pinned:
+                unpin(memory)
+            raise
+        self._registered.extend(pinned)
+        for memory, n in zip(memories, sizes, strict=True):
+            self._add_chunk(memory, n)
+
+    def close(self) -> None:
+        """Release every chunk now (shutdown): chunks pinned by :meth:`preallocate` are unregistered before their
+        memory is freed, and torch's cache of pinned blocks (the lazily allocated chunks) is emptied. Views made by
+        :meth:`mapped` must not be used afterwards; the store refuses further growth."""
+        self.closed = True
+        self._mapped.clear()
+        self.chunks.clear()
+        registered, self._registered = self._registered, []
+        for memory in registered:
+            unpin(memory)
+        lazily_pinned = self.pinned and len(self._allocations) > len(registered)
+        self._allocations.clear()
+        if lazily_pinned and torch.cuda.is_initialized():
+            _empty_host_cache()
+
 
     def mapped(self, device: torch.device) -> MappedRows | None:
         """Every allocated chunk as one view on ``device`` (``None`` where it cannot be made: see
@@ -137,7 +196,10 @@ class HostStore:
         - The capacity is ``host_bytes // page_bytes`` pages, fixed at construction. Memory is allocated in
           chunks of ``chunk_bytes`` (pinned when the device is CUDA) as pages are first handed out; a chunk
           never moves, so nothing is ever copied to grow the store. :meth:`allocate` refuses (returns
-          ``None``) when fewer pages are free than asked for: admission then waits.
+          ``None``) when fewer pages are free than asked for: admission then waits. A chunk the OS refuses raises
+          :class:`HostMemoryError` from :meth:`back` / :meth:`allocate` with nothing taken.
+        - A configured ``host_bytes`` beyond the memory this process may use (physical, or its cgroup's limit) is
+          refused at construction; 0 means half of that (``kv/host_memory.py``).
         - Freed pages are overwritten with NaN when ``poison_freed`` (tests).
     """
 
@@ -149,6 +211,8 @@ class HostStore:
         self.pinned = device.type == "cuda"
         self.poison_freed = poison_freed
         page_bytes = page_rows * layout.row_bytes
+        if host_bytes:
+            check_host_bytes(host_bytes)  # ConfigError at start, naming host_bytes and the limit
         self.host_bytes = host_bytes or default_host_bytes()
         self.num_pages = self.host_bytes // page_bytes
         # Pinned: a chunk and its spare alignment row stay within ``chunk_bytes`` (torch's pinned allocator rounds
@@ -161,6 +225,14 @@ class HostStore:
         # so a large store costs nothing until it is used.
         self._freed: list[int] = []
         self._frontier = 0
+
+    def preallocate(self, workers: int | None = None, progress: Progress | None = None) -> None:
+        """Allocate (and on CUDA pin) the whole capacity now, in parallel: :meth:`ChunkedRows.preallocate`."""
+        self.rows.preallocate(workers, progress)
+
+    def close(self) -> None:
+        """Release the host memory (:meth:`ChunkedRows.close`); the store cannot be used afterwards."""
+        self.rows.close()
 
     @property
     def used_pages(self) -> int:
@@ -176,14 +248,37 @@ class HostStore:
         self._frontier += 1
         return self._frontier - 1
 
+    def back(self, count: int) -> None:
+        """Make sure the next ``count`` pages :meth:`allocate` hands out have memory (allocating chunks now), so an
+        admission can find out before it reserves anything else. Raises :class:`HostMemoryError`."""
+        if 0 < count <= self.free_pages:
+            reused = min(count, len(self._freed))  # freed ids lie below the frontier: their chunks exist
+            self.rows.ensure((self._frontier + count - reused) * self.page_rows)
+
     def allocate(self, count: int) -> torch.Tensor | None:
-        """Take ``count`` pages (lowest ids first) as int64 page ids on CPU, or ``None`` if fewer are free."""
+        """Take ``count`` pages (lowest ids first) as int64 page ids on CPU, or ``None`` if fewer are free. Raises
+        :class:`HostMemoryError` (with every page given back) when their memory cannot be allocated."""
         if count > self.free_pages:
             return None
         ids = [self._take() for _ in range(count)]
         if ids:
-            self.rows.ensure((max(ids) + 1) * self.page_rows)
+            try:
+                self.rows.ensure((max(ids) + 1) * self.page_rows)
+            except HostMemoryError:
+                for page in ids:  # nothing taken: the store is as before
+                    heapq.heappush(self._freed, page)
+                self._fold_frontier()
+                raise
         return torch.tensor(ids, dtype=torch.int64)
+
+    def _fold_frontier(self) -> None:
+        """Freed ids just below the frontier become never-used again (keeps ``_freed`` below the frontier small)."""
+        freed = set(self._freed)
+        while self._frontier - 1 in freed:
+            self._frontier -= 1
+            freed.discard(self._frontier)
+        self._freed = sorted(freed)
+        heapq.heapify(self._freed)
 
     def free(self, pages: torch.Tensor) -> None:
         ids = pages.flatten().tolist()

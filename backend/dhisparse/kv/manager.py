@@ -29,29 +29,30 @@ Host reads: a step reads the device once (``end_step``), or not at all when the 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from dhisparse.host_values import to_device
+from dhisparse.host_values import HostSync, to_device
+from dhisparse.kernels.selection import KernelSelection, torch_selection
 from dhisparse.kv import history_import as history_host
 from dhisparse.kv import index_keys as key_store
 from dhisparse.kv import residency
 from dhisparse.kv.batch_state import BatchState
 from dhisparse.kv.config import AdmissionError, KVConfig, KVLayout
-from dhisparse.kv.copies import CopyEngine, CopyError, CopyTicket, ReaderFence
+from dhisparse.kv.copies import CopyEngine, CopyError, ReaderFence
 from dhisparse.kv.device_pool import DevicePool
 from dhisparse.kv.footprint import Footprint, request_footprint
-from dhisparse.kv.host_store import HostStore
-from dhisparse.kv.host_sync import HostSync
+from dhisparse.kv.host_store import HostMemoryError, HostStore  # [#29] HostMemoryError
 from dhisparse.kv.invariants import check_manager_invariants
+from dhisparse.kv.prefill_stream import StreamedPrefillKV
 from dhisparse.kv.request_state import RequestKV
+from dhisparse.kv.residency import back_up_complete_pages, map_tail_pages, unmap_rejected
+from dhisparse.kv.resolution import StepResolution, choose_resolution
+from dhisparse.kv.resolution.common import FLAG_MESSAGES, StepParts
 from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
-from dhisparse.kv.step import StepKV, StepParts
-from dhisparse.kv.tail import back_up_complete_pages, map_tail_pages, unmap_rejected
-
-if TYPE_CHECKING:
-    from dhisparse.kernels.selection import KernelSelection
+from dhisparse.kv.step import StepKV
+from dhisparse.kv.store import HostRowsTarget, KVMemory, PromptRows
 
 
 class KVManager:
@@ -59,14 +60,16 @@ class KVManager:
 
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device | str = "cpu",
                  poison_freed: bool = False, debug_checks: bool = False, host_chunk_bytes: int | None = None,
-                 kernels: KernelSelection | None = None) -> None:
+                 kernels: KernelSelection | None = None, stream_prefill: bool = True,
+                 copy_fault_hook: Callable[[str], None] | None = None) -> None:
         config.validate_for(layout)
-        # Which implementation resolves, fetches and attends (dhisparse.kernels.selection); torch by default.
+        # Which kernels run the request path (dhisparse.kernels.selection; torch by default) and, from them, which
+        # implementation resolves a step (kv/resolution/), chosen once here (and again if the selection is replaced).
         if kernels is None:
-            from dhisparse.kernels.selection import torch_selection  # late: kernels imports kv.resolver
-
             kernels = torch_selection("default")
-        self.kernels = kernels
+        self.resolution: StepResolution = choose_resolution(kernels)
+        self._kernels = kernels
+        self._on_device = kernels.on_device
         self.layout, self.config = layout, config
         self.policy = config.kv_policy  # owns the policy decisions (dhisparse.kv.policies)
         self.device = torch.device(device)
@@ -77,6 +80,10 @@ class KVManager:
         self.debug_checks = debug_checks  # read and raise the step's checks at once (one read per check)
         self.sync = HostSync()
         self.copies = CopyEngine(self.device, self.sync)
+        self.copies.fault_hook = copy_fault_hook
+        # Prompts stream into their host pages chunk by chunk (prefill_kv): a host store and native rows needed.
+        self.stream_prefill = stream_prefill and self.policy.uses_host and layout.row_format == "native"
+        self._keys_in_place: set[str] = set()  # requests whose prefill store writes their keys in place
         self.fence = ReaderFence(self.device)
         self.requests: dict[str, RequestKV] = {}
         self.releasing: list[tuple[RequestKV, int]] = []  # (request, epoch at release)
@@ -91,6 +98,14 @@ class KVManager:
         # Steps whose requests' slots are not consecutive (in step order) first compact them (BatchState.compact), so
         # the step reads the batch state as views; False keeps the slots (the step gathers and scatters back).
         self.compact_slots = True
+        self._reports: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._row_bytes = layout.row_bytes
+        self._staging = config.staging_rows(layout) > 0
+        # Per layer, the layout's answers a step needs (precomputed: a step's per-layer calls stay in the step).
+        key_index = {layer: i for i, layer in enumerate(layout.indexer_layers)}
+        self._key_layer = tuple(key_index.get(layer, -1) for layer in range(layout.num_layers))
+        self._group_of_layer = tuple(layout.group_of_layer(layer) for layer in range(layout.num_layers))
+        self._staging_slot_of_layer = tuple(layout.staging_slot_of_layer(layer) for layer in range(layout.num_layers))
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
@@ -100,11 +115,6 @@ class KVManager:
     def required_bytes(self, prompt_len: int, max_new_tokens: int) -> int:
         """Device bytes a request reserves at admission under the configured policy."""
         return self.footprint(prompt_len, max_new_tokens).required_bytes
-
-    @property
-    def staging_overflow_bytes_per_request(self) -> int:
-        """Arena bytes of one request's verification staging for overflow rows (fixed by the config)."""
-        return self.footprint(1, 1).staging_overflow_bytes
 
     def host_pages_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Host pages a request owns while admitted (0 for ``resident``)."""
@@ -151,11 +161,25 @@ class KVManager:
             deficit = fp.required_bytes - self.pool.spare_bytes
         if deficit <= 0 and not self._host_pages_free(self.host_pages_needed(prompt_len, max_new_tokens)):
             deficit = 1  # host pages are short: wait for a release
+        if deficit <= 0 and self.policy.uses_host and not self._host_memory_backed(prompt_len, max_new_tokens):  # [#29]
+            deficit = 1  # [#29] the OS refused host memory: wait for other requests' host pages to come back
         if deficit > 0:
             self.waiting.setdefault(request_id, (time.monotonic(), self._steps))
             self.check_budget()
             return False
         self._admit(request_id, prompt_len, max_new_tokens, fp)
+        return True
+
+    def _host_memory_backed(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """[#29] Allocate the host memory of the pages this admission takes before anything is reserved. False: the
+        OS refused it while other requests hold host pages (the admission waits for theirs); with none held, the
+        :class:`HostMemoryError` is raised and fails this request only (the engine ends it; nothing was taken)."""
+        try:
+            self.host.back(self.host_pages_needed(prompt_len, max_new_tokens))
+        except HostMemoryError:
+            if self.host.used_pages == 0:
+                raise
+            return False
         return True
 
     def _host_pages_free(self, count: int) -> bool:
@@ -236,6 +260,7 @@ class KVManager:
         self._admissions += 1
         self.requests[request_id] = req
         self.counters["admissions"] += 1
+        self.counters["staging_bytes_charged"] += fp.staging_bytes
         began = self.waiting.pop(request_id, None)
         if began is not None:
             waited_s = time.monotonic() - began[0]
@@ -245,53 +270,71 @@ class KVManager:
             req.add_stat("admission_wait_seconds", waited_s)
         self.check_budget()
 
-    def import_prompt(self, request_id: str, rows: torch.Tensor, index_keys: dict[int, torch.Tensor]) -> None:
-        """Hand over the prefill's KV: ``rows`` ``[num_sources, T, row_dim]``, ``index_keys`` ``{layer:
-        [T, index_key_dim]}`` for every indexer layer, ``T == prompt_len``. The manager may keep a reference
-        to ``rows`` until its host copy is done (next ``poll``/step); do not modify it in place."""
+    def prefill_kv(self, request_id: str, chunk_tokens: int) -> StreamedPrefillKV | None:
+        """A store that streams the admitted request's prompt into its host pages chunk by chunk
+        (``kv/prefill_stream.py``), when the policy keeps a host store, rows are native and ``stream_prefill`` is
+        on; else ``None`` (the prefill runs over a local store and hands its rows to :meth:`import_prompt`)."""
+        if not self.stream_prefill:
+            return None
+        req = self._running(request_id)
+        keys = self._request_keys(req)
+        if keys is not None:
+            self._keys_in_place.add(request_id)
+        return StreamedPrefillKV(self.layout, self.host.rows, history_host.history_host_rows(req, self.host),
+                                 chunk_tokens, self.layout.dtype, self.device, keys)
+
+    def import_target(self, request_id: str) -> HostRowsTarget | None:
+        """Where an external transfer (disaggregated prefill) writes the admitted request's prompt rows before
+        ``import_prompt(request_id, None, keys)``: its host pages, or ``None`` when the policy keeps no host store
+        (``resident``: hand the rows to :meth:`import_prompt`)."""
+        req = self._running(request_id)
+        if not self.policy.uses_host:
+            return None
+        return HostRowsTarget(history_host.history_host_rows(req, self.host), self.host.rows, self.host.page_rows)
+
+    def import_prompt(self, request_id: str, rows: PromptRows | None,
+                      index_keys: Mapping[int, torch.Tensor] | None) -> None:
+        """Import the admitted request's prompt (see :meth:`KVStore.import_prompt`).
+
+        ``rows [num_sources, T, row_dim]`` (``T == prompt_len``): the manager may keep a reference until its host
+        copy is done (next ``poll``/step); do not modify it in place. ``rows=None``: the rows are already in the
+        request's host pages (written by :meth:`prefill_kv`'s store or through :meth:`import_target`) — host pages
+        become valid, the partial page goes to the tail and, adaptive, complete pages stay on device as optional
+        pages while the budget allows (``kv/history_import.py``). ``index_keys=None``: the prompt's keys were written
+        in place (the streamed prefill with native keys)."""
         req = self._running(request_id)
         if req.imported:
             raise ValueError(f"request {request_id!r} was already imported")
-        want = (self.layout.num_sources, req.prompt_len, self.layout.row_dim)
-        if tuple(rows.shape) != want:
-            raise ValueError(f"import_prompt: rows must be {list(want)}, got {list(rows.shape)}")
-        history_host.set_index_keys(req, index_keys, self.layout, self.pool, self.batch.layer_index, "import_prompt")
-        rows = self.layout.encode(rows)
-        residency.import_prompt_rows(req, rows, self.policy, self.pool, self.host, self.copies)
+        if rows is None:
+            if not self.policy.uses_host:
+                raise ValueError(f"import_prompt: rows are required under the {self.policy.name!r} policy (no host "
+                                 "store to take them from)")
+            if request_id in self._keys_in_place:  # the streamed prefill wrote them where decode reads them
+                self._keys_in_place.discard(request_id)
+            elif index_keys is not None:
+                history_host.set_index_keys(req, index_keys, self.layout, self.pool, self.batch.layer_index)
+            history_host.import_host_rows(req, self.policy, self.pool, self.host)
+        else:
+            if not isinstance(rows, torch.Tensor):
+                raise TypeError("import_prompt: rows must be a tensor [num_sources, prompt_len, row_dim]")
+            want = (self.layout.num_sources, req.prompt_len, self.layout.row_dim)
+            if tuple(rows.shape) != want:
+                raise ValueError(f"import_prompt: rows must be {list(want)}, got {list(rows.shape)}")
+            history_host.set_index_keys(req, index_keys or {}, self.layout, self.pool, self.batch.layer_index,
+                                        "import_prompt")
+            residency.import_prompt_rows(req, self.layout.encode(rows), self.policy, self.pool, self.host, self.copies)
         req.imported = True
         self.check_budget()
 
-    def history_host_rows(self, request_id: str) -> torch.Tensor | None:
-        """Where an external transfer (disaggregated prefill) must write the admitted request's prompt rows:
-        host-store row indices ``[num_sources, prompt_len]`` into :attr:`host` ``.rows``, or ``None`` when the
-        policy keeps no host store (``resident``: hand the rows to :meth:`import_prompt` instead). The host
-        store's chunks never move, so the rows stay where they are however many requests are admitted after."""
-        req = self._running(request_id)
-        return history_host.history_host_rows(req, self.host) if self.config.uses_host else None
-
-    def import_host_history(self, request_id: str, index_keys: dict[int, torch.Tensor] | None) -> None:
-        """Import a prompt whose rows were written into :meth:`history_host_rows` (imported history): host
-        pages become valid, the partial page goes to the tail and, adaptive, complete pages stay on device as
-        optional pages while the budget allows (``kv/history_import.py``). ``index_keys=None``: the prompt's keys
-        were written in place through :meth:`request_keys` (the streamed prefill)."""
-        req = self._running(request_id)
-        if req.imported:
-            raise ValueError(f"request {request_id!r} was already imported")
-        if index_keys is not None:
-            history_host.set_index_keys(req, index_keys, self.layout, self.pool, self.batch.layer_index)
-        history_host.import_host_rows(req, self.config.policy, self.pool, self.host)
-        req.imported = True
-        self.check_budget()
-
-    def request_keys(self, request_id: str) -> key_store.RequestKeys | None:
-        """The admitted request's indexer keys to write in place before its import (native key format; ``None``
-        otherwise: hand the keys to the import instead)."""
+    def _request_keys(self, req: RequestKV) -> key_store.RequestKeys | None:
+        """The request's indexer keys to write in place before its import (native key format; ``None`` otherwise:
+        the keys go to the import instead)."""
         if self.layout.index_key_format != "native" or not self.indexer_layers:
             return None
-        return key_store.RequestKeys(self.pool, self.layout, self._running(request_id), self.batch.layer_index)
+        return key_store.RequestKeys(self.pool, self.layout, req, self.batch.layer_index)
 
     # ---------------------------------------------------------------------------------------- steps
-    def begin_step(self, request_ids: list[str], query_len: int) -> StepKV:
+    def begin_step(self, request_ids: Sequence[str], query_len: int) -> StepKV:
         """Open a step of ``query_len`` new tokens for each request (positions ``len .. len+Q-1``)."""
         if self.step is not None:
             raise RuntimeError("a step is already open; call end_step first")
@@ -307,7 +350,8 @@ class KVManager:
                 raise ValueError(f"request {req.request_id!r} would exceed prompt_len + max_new_tokens")
         try:
             for req in reqs:
-                self.copies.wait(req.import_ticket)
+                if req.import_ticket is not None:
+                    self.copies.wait(req.import_ticket)
                 map_tail_pages(req, req.length + query_len - 1, self.config.page_rows, self.copies, self.fence)
         except Exception:
             for req in reqs:  # a failed copy: no step opens, so no page past a request's length stays mapped
@@ -320,15 +364,44 @@ class KVManager:
         self.fence.begin()
         self.sync.mark_step()
         self._steps += 1
-        self.step = StepKV(self.step_parts(), reqs, query_len, stamp=self._steps)
+        self.step = StepKV(self.step_parts(), self.resolution, reqs, query_len, self._steps,
+                           self._report_buffer(len(reqs)))
         return self.step
 
-    def step_parts(self) -> StepParts:
-        """What a step works with (built per step, so a kernel selection or debug mode set later applies)."""
-        return StepParts(self.layout, self.pool, self.host, self.copies, self.batch, self.sync, self.kernels,
-                         self.device, self.policy.uses_host, self.debug_checks, self.indexer_layers)
+    @property
+    def kernels(self) -> KernelSelection:
+        """The kernel selection; replacing it chooses the step's resolution again."""
+        return self._kernels
 
-    def end_step(self, accepted: dict[str, int], report: list[int] | None = None) -> None:
+    @kernels.setter
+    def kernels(self, selection: KernelSelection) -> None:
+        self._kernels = selection
+        self._on_device = selection.on_device
+        self.resolution = choose_resolution(selection)
+
+    def step_parts(self) -> StepParts:
+        """What a step works with (built per step, so a debug mode set later applies)."""
+        layout, pool = self.layout, self.pool
+        return StepParts(
+            layout, pool, self.host, self.copies, self.batch, self.sync, self.device, self.policy.uses_host,
+            self.debug_checks, self._on_device, pool.page_rows, max(1, pool.keys_per_page), self._staging,
+            layout.row_format == "native", layout.index_key_format == "native",
+            self._key_layer, self._group_of_layer, self._staging_slot_of_layer)
+
+    def _report_buffer(self, requests: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's report buffer for ``requests`` requests, zeroed: ``(buffer, counts [B, 3], staged [B], flags)``,
+        the last three views of the first (one allocation per batch size, reused by later steps)."""
+        cached = self._reports.get(requests)
+        if cached is None:
+            buffer = torch.zeros(4 * requests + len(FLAG_MESSAGES), dtype=torch.int64, device=self.device)
+            cached = self._reports[requests] = (
+                buffer, buffer[: 3 * requests].view(requests, 3), buffer[3 * requests: 4 * requests],
+                buffer[4 * requests:])
+        else:
+            cached[0].zero_()
+        return cached
+
+    def end_step(self, accepted: Mapping[str, int], report: Sequence[int] | None = None) -> None:
         """Keep the first ``accepted[r]`` new rows of each request of the open step; drop the rest.
 
         ``report``: the values of ``step.report()`` if the caller already read them (fused into its own read);
@@ -353,12 +426,13 @@ class KVManager:
                 key_store.zero_request_keys(self.pool, req, start + keep, start + q)
                 unmap_rejected(req, start + q, self.config.page_rows)
             direct, hot, host, staged = (float(v) for v in counts[b])
+            stats, counters = req.stats, self.counters
             for name, value in (("rows_direct", direct), ("rows_hot", hot), ("rows_host", host),
                                 ("rows_staged", staged),
                                 ("resolved_rows", direct + hot + host), ("host_fetched_rows", host),
-                                ("host_fetched_bytes", host * self.layout.row_bytes)):
-                req.add_stat(name, value)
-                self.counters[name] += value
+                                ("host_fetched_bytes", host * self._row_bytes)):
+                stats[name] = stats.get(name, 0.0) + value
+                counters[name] += value
             if self.policy.uses_host:
                 n = back_up_complete_pages(req, self.pool, self.host, self.copies, self.fence,
                                            self.config.page_rows)
@@ -394,9 +468,10 @@ class KVManager:
         self.fence.end()
         self.counters["steps_aborted"] += 1
 
-    def owners_of(self, ticket: CopyTicket) -> list[str]:
-        """Running requests whose memory a (failed) copy touched: the owner of an import, backup or refill, or
+    def owners_of(self, failure: CopyError) -> list[str]:
+        """Running requests whose memory a failed copy touched: the owner of an import, backup or refill, or
         every request of the open step for its row fetches. Empty for a released request's copies."""
+        ticket = failure.ticket
         owners = [rid for rid, r in self.requests.items() if any(t is ticket for t in r.tickets)]
         if not owners and self.step is not None and ticket.kind == "fetch":
             owners = [r.request_id for r in self.step.requests]
@@ -421,7 +496,8 @@ class KVManager:
         while budget > 0 and idle < len(order):
             req = order[i]
             i = (i + 1) % len(order)
-            if req.imported and residency.refill_one_page(req, self.pool, self.host, self.copies, self.fence):
+            if req.imported and req.may_refill and residency.refill_one_page(req, self.pool, self.host, self.copies,
+                                                                              self.fence):
                 budget -= 1
                 idle = 0
                 self.counters["optional_pages_refill_issued"] += 1
@@ -433,7 +509,8 @@ class KVManager:
 
     def _free_safe(self) -> None:
         for req in self.requests.values():
-            residency.free_retired_pages(req, self.pool, self.fence)
+            if req.retired_pending:
+                residency.free_retired_pages(req, self.pool, self.fence)
         still = []
         for req, epoch in self.releasing:
             if req.live_tickets() or not self.fence.finished(epoch):
@@ -507,6 +584,24 @@ class KVManager:
         out = {name: req.stats.get(name, 0.0) for name in REQUEST_COUNTERS}
         out.update(request_gauges(req))
         return {f"kv_{name}": value for name, value in out.items()}
+
+    def memory(self) -> KVMemory:
+        """Pool figures and what requests are charged for their speculative state: the draft ring (fixed by the
+        config) and verification staging, the mean of what each admitted request was charged (its
+        ``kv_staging_bytes``; the block's provisional rows depend a little on the request's length)."""
+        admitted = self.counters["admissions"]
+        staging = round(self.counters["staging_bytes_charged"] / admitted) if admitted else 0
+        return KVMemory(pool_bytes=self.pool.pool_bytes, required_bytes=self.pool.required_bytes,
+                        optional_bytes=self.pool.optional_bytes, reserve_bytes=self.pool.reserve_bytes,
+                        staging_bytes_per_request=staging, ring_bytes_per_request=self.config.draft_ring_bytes)
+
+    def read(self, *tensors: torch.Tensor) -> list[list[int]]:
+        """One counted device→host read (:class:`HostSync`)."""
+        return self.sync.read(*tensors)
+
+    def corrupt_accounting(self) -> None:
+        """Fault drills only: one byte of required memory nobody holds (``check_invariants`` then fails)."""
+        self.pool.required_bytes += 1
 
     def check_budget(self) -> None:
         self.pool.check_budget()

@@ -109,9 +109,9 @@ def host_device_pointer(ptr: int) -> tuple[int, str]:
     for ``cudaHostAlloc`` memory under unified addressing) when neither API is reachable or the call fails."""
     try:
         try:
-            from cuda.bindings import runtime as cudart  # type: ignore[import-not-found]
+            from cuda.bindings import runtime as cudart
         except ImportError:
-            from cuda import cudart  # type: ignore[import-not-found,no-redef]
+            from cuda import cudart
         err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
         if int(err) == 0:
             return int(dptr), "cuda-python"

@@ -44,6 +44,9 @@ class KVPolicy:
         """First page of an imported prompt of ``prompt_len`` rows that belongs to the tail."""
         return prompt_len // page_rows
 
+    def __str__(self) -> str:
+        return self.name
+
 
 @dataclass(frozen=True)
 class ResidentPolicy(KVPolicy):
@@ -91,14 +94,18 @@ class DensePolicy(KVPolicy):
         return 0
 
 
-_ALL = (ResidentPolicy(), HiSparsePolicy(), AdaptivePolicy(), DensePolicy())
+DENSE = DensePolicy()
+_ALL = (ResidentPolicy(), HiSparsePolicy(), AdaptivePolicy(), DENSE)
 POLICIES: dict[str, KVPolicy] = {p.name: p for p in _ALL}
 KV_POLICIES = tuple(p.name for p in _ALL if not p.reference_store)  # served by the hierarchy (KVManager)
 ENGINE_POLICIES = tuple(POLICIES)  # everything an engine accepts, the reference included
 
 
-def policy_named(name: str, field: str = "kv policy", allowed: tuple[str, ...] = ENGINE_POLICIES) -> KVPolicy:
-    """The policy called ``name``; ``ConfigError`` naming ``field`` and the choices otherwise."""
-    if name not in allowed:
-        raise ConfigError(f"{field} must be one of {', '.join(allowed)}, got {name!r}")
-    return POLICIES[name]
+def policy_named(name: str | KVPolicy, field: str = "kv policy", allowed: tuple[str, ...] = ENGINE_POLICIES
+                 ) -> KVPolicy:
+    """The policy called ``name`` (a policy object is checked the same way); ``ConfigError`` naming ``field`` and
+    the choices otherwise."""
+    key = name.name if isinstance(name, KVPolicy) else name
+    if key not in allowed:
+        raise ConfigError(f"{field} must be one of {', '.join(allowed)}, got {key!r}")
+    return POLICIES[key]

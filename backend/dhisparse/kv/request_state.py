@@ -73,19 +73,15 @@ class RequestKV:
     retired_pending: bool = False  # some optional page is RETIRED (waiting for its readers)
     may_refill: bool = False  # some optional page may be ABSENT with a valid host copy
     slot: int = -1  # slot in the persistent batch state (kv/batch_state.py); -1 once released
+    # Fixed at admission (plain attributes: a step reads them without a call).
+    num_sources: int = field(init=False)
+    prompt_pages: int = field(init=False)  # complete pages of the imported prompt: the only pages that may be optional
+    tail_pages: int = field(init=False)  # pages per source of the tail ring
 
-    @property
-    def num_sources(self) -> int:
-        return self.page_table.shape[0]
-
-    @property
-    def prompt_pages(self) -> int:
-        """Complete pages of the imported prompt: the only pages that may be optional."""
-        return self.opt_state.shape[1]
-
-    @property
-    def tail_pages(self) -> int:
-        return self.tail_ring.shape[1]
+    def __post_init__(self) -> None:
+        self.num_sources = self.page_table.shape[0]
+        self.prompt_pages = self.opt_state.shape[1]
+        self.tail_pages = self.tail_ring.shape[1]
 
     def live_tickets(self) -> list[CopyTicket]:
         self.tickets = [t for t in self.tickets if not t.done and t.error is None]

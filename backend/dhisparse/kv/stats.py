@@ -17,6 +17,7 @@ ENGINE_COUNTERS = (
     "host_fetched_bytes",  # rows_host * row bytes
     "resolver_calls",  # resolve() calls (one per step, source and distinct positions tensor)
     "admissions",  # requests admitted
+    "staging_bytes_charged",  # verification staging bytes charged at admission, summed over admissions
     "admissions_waited",  # admitted after at least one try_admit returned False
     "admission_wait_seconds",  # total wall time those admissions waited
     "admission_wait_steps",  # total decode steps those admissions waited

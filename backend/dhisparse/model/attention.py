@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import StepKV
-from dhisparse.model.layers import rms_norm
-from dhisparse.model.rope import apply_rope_half_split, apply_rope_interleaved, attention_softmax_scale
+from dhisparse.model.layers import attention_softmax_scale, rms_norm
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
 INDEX_TILE_TOKENS = 2048  # key positions scored at once: the indexer's workspace does not grow with the context
@@ -27,6 +26,7 @@ class IndexedMLA:
     def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, torch.Tensor]) -> None:
         p = f"model.layers.{layer}.self_attn."
         self.cfg, self.layer = cfg, layer
+        self.qk_head_dim = cfg.qk_head_dim
         self.q_a = weights[p + "q_a_proj.weight"]
         self.q_a_bias = weights.get(p + "q_a_proj.bias")
         self.q_a_norm = weights[p + "q_a_layernorm.weight"]
@@ -70,7 +70,7 @@ class IndexedMLA:
         b, q_len, _ = x.shape
         rank = cfg.kv_lora_rank
         q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
-        q = F.linear(q_resid, self.q_b).view(b, q_len, cfg.num_attention_heads, cfg.qk_head_dim)
+        q = F.linear(q_resid, self.q_b).view(b, q_len, cfg.num_attention_heads, self.qk_head_dim)
         q_nope, q_rot = torch.split(q, [cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         compressed = F.linear(x, self.kv_a, self.kv_a_bias)
         kv_pass, k_rot = torch.split(compressed, [rank, cfg.qk_rope_head_dim], dim=-1)
@@ -92,14 +92,13 @@ class IndexedMLA:
 
         q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, self.w_uk)
         # A KV step with device kernels (dhisparse.kernels) attends over resolved rows in one kernel.
-        attend = getattr(kv, "attend", None)
-        out_lat = attend(self.layer, selection, q_lat, q_rot, self.scaling) if attend is not None else None
+        out_lat = kv.attend(self.layer, selection, q_lat, q_rot, self.scaling) if kv.device_attention else None
         if out_lat is None:
             # Stores whose gather is a plain lookup (the prefill's LocalKV) are read QUERY_TILE_TOKENS queries at a
             # time; a hierarchical step resolves each layer's selection once, with its few decode/verify queries.
             # (One tile passes the selection tensor itself: a hierarchical step recognises a shared selection by
             # identity.)
-            tile = QUERY_TILE_TOKENS if getattr(kv, "query_tiled_gather", False) else q_len
+            tile = QUERY_TILE_TOKENS if kv.query_tiled_gather else q_len
             if tile >= q_len:
                 out_lat = self._attend_rows(kv, selection, q_lat, q_rot)
             else:
@@ -168,3 +167,22 @@ class IndexedMLA:
         values_all = torch.cat([v for v, _ in done], dim=1) if len(done) > 1 else done[0][0]
         idx_all = torch.cat([j for _, j in done], dim=1) if len(done) > 1 else done[0][1]
         return torch.where(torch.isneginf(values_all), torch.full_like(idx_all, -1), idx_all)
+
+
+# --------------------------------------------------------------------------- RoPE applied to queries and keys
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs ``(x0, x1), (x2, x3) …``; output is de-interleaved (evens then odds).
+
+    ``x [..., rope_dim]``; ``cos``/``sin`` broadcastable to ``x`` without their last dim halved.
+    """
+    cos = cos[..., : cos.shape[-1] // 2]
+    sin = sin[..., : sin.shape[-1] // 2]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Standard rotate-half RoPE (first half / second half pairs)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)

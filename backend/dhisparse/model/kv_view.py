@@ -19,6 +19,10 @@ class StepKV(Protocol):
     """``[B]`` int64: history length of each request including the ``Q`` new tokens."""
     max_length: int
     """``max(lengths)``, known on the host (no device read)."""
+    query_tiled_gather: bool
+    """``gather`` is a plain lookup with no per-layer state: attention may call it once per tile of queries."""
+    device_attention: bool
+    """``attend`` runs sparse MLA with a device kernel (else the model attends over ``gather``)."""
 
     def write(self, layer: int, rows: torch.Tensor, index_keys: torch.Tensor | None) -> None:
         """Store the new tokens' latent rows ``[B, Q, row_dim]`` and, for indexer layers, keys ``[B, Q, d]``."""
@@ -30,6 +34,11 @@ class StepKV(Protocol):
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """Rows at ``positions [B, Q, K]`` (int64, −1 = unused) of ``layer``'s source: ``[B, Q, K, row_dim]``,
         zeros where the position is −1."""
+
+    def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+               softmax_scale: float) -> torch.Tensor | None:
+        """Sparse MLA ``[B, Q, H, rank]`` over the rows at ``positions`` by a device kernel (only called when
+        ``device_attention``); ``None`` when the kernel cannot serve these dtypes (the model attends itself)."""
 
 
 class PrefillKV(StepKV, Protocol):
@@ -53,6 +62,7 @@ class LocalKV:
     """
 
     query_tiled_gather = True
+    device_attention = False
 
     def __init__(
         self, num_layers: int, indexer_layers: tuple[int, ...], capacity: int, row_dim: int, key_dim: int,
@@ -89,3 +99,7 @@ class LocalKV:
     def gather(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
         out = self.rows[layer][positions.clamp(min=0)]
         return out.masked_fill((positions < 0).unsqueeze(-1), 0)
+
+    def attend(self, layer: int, positions: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+               softmax_scale: float) -> None:
+        return None  # the model attends over the gathered rows

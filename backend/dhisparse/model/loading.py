@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -17,6 +16,8 @@ from dhisparse.model.config import ModelConfig
 from dhisparse.model.deepseek_v4 import weights as v4_weights
 from dhisparse.model.deepseek_v4.config import MODEL_TYPE as V4
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
+from dhisparse.model.deepseek_v4.model import DeepseekV4Model
+from dhisparse.model.model import DSAModel
 
 AnyConfig = ModelConfig | DeepseekV4Config
 
@@ -36,11 +37,8 @@ def load_any_state_dict(checkpoint: Path, cfg: AnyConfig, dtype: torch.dtype,
     return dsa_weights.load_state_dict(checkpoint, cfg, dtype, progress)
 
 
-def build_model(cfg: AnyConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> Any:
+def build_model(cfg: AnyConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+                ) -> DSAModel | DeepseekV4Model:
     if isinstance(cfg, DeepseekV4Config):
-        from dhisparse.model.deepseek_v4.model import DeepseekV4Model
-
         return DeepseekV4Model(cfg, weights, dtype, device)
-    from dhisparse.model.model import DSAModel
-
     return DSAModel(cfg, weights, dtype, device)

@@ -13,8 +13,7 @@ from dhisparse.host_values import to_device
 from dhisparse.model.attention import IndexedMLA
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import LocalKV, PrefillKV, StepKV
-from dhisparse.model.layers import MoE, gated_mlp, rms_norm
-from dhisparse.model.rope import RotaryEmbedding
+from dhisparse.model.layers import MoE, RotaryEmbedding, gated_mlp, rms_norm
 from dhisparse.model.weights import load_state_dict, read_config
 
 
@@ -126,7 +125,7 @@ class DSAModel:
         """Prefill one prompt chunk by chunk over a local KV; chunking bounds the attention workspace and does
         not change results (each chunk's queries see every earlier row). ``on_chunk(start)`` is called before each
         chunk's forward (the engine's fault injection). ``store`` replaces the default ``LocalKV`` of the whole
-        prompt (the engine streams rows into the KV hierarchy's host pages: ``engine/prefill_stream.py``)."""
+        prompt (the engine streams rows into the KV hierarchy's host pages: ``kv/prefill_stream.py``)."""
         ids = to_device(token_ids, torch.int64, self.device).view(-1)
         total = ids.numel()
         cfg = self.cfg

@@ -22,12 +22,25 @@ from dhisparse.model.config import ModelConfig
 FLOAT32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
 
 
+def _confined(checkpoint: Path, name: object) -> Path:
+    """A shard named by the index: a plain ``*.safetensors`` file name inside the checkpoint directory (symbolic links
+    resolved), never a path that leaves it (``../x``, ``/etc/x``)."""
+    root = checkpoint.resolve()
+    if not isinstance(name, str) or not name.endswith(".safetensors"):
+        raise CheckpointError(f"{checkpoint}: the index names shard {name!r}, not a .safetensors file")
+    path = (checkpoint / name).resolve()
+    if path.parent != root and root not in path.parents:
+        raise CheckpointError(f"{checkpoint}: the index names shard {name!r}, which lies outside the checkpoint "
+                              "directory")
+    return checkpoint / name
+
+
 def safetensors_files(checkpoint: Path) -> list[Path]:
     """The weight files of a checkpoint directory, in shard order."""
     index = checkpoint / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({checkpoint / name for name in weight_map.values()})
+        files = sorted({_confined(checkpoint, name) for name in weight_map.values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{checkpoint}: shards listed in the index are missing: {', '.join(missing)}")

@@ -11,28 +11,31 @@ true history; positions after the first rejection are discarded.
 Order (TensorRT-LLM's): bias, repetition penalty, presence and frequency penalties, then the bans (bad words,
 min_tokens) set logits to ``-inf``. Temperature, top-k and top-p come after (``sampler.filtered_probs``).
 Arithmetic stays in the logits' dtype, element by element as transformers' logits processors do it.
+
+A request's bad-word table, stop set and bias are built once (``request_tables.py``); a step only stacks them (a
+device-side pad when rows differ in size) and gathers each row's last W tokens.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dhisparse.host_values import to_device
 from dhisparse.sampling.params import SamplingParams
+from dhisparse.sampling.request_tables import tables_of
 
 
-@functools.lru_cache(maxsize=256)
-def _bias_vector(logit_bias: tuple[tuple[int, float], ...], vocab: int, device: torch.device) -> torch.Tensor:
-    """Dense ``[V]`` float32 bias of ``(token id, bias)`` pairs (cached: a request's bias is the same every step)."""
-    bias = torch.zeros(vocab, dtype=torch.float32, device=device)
-    if logit_bias:
-        ids = to_device([t for t, _ in logit_bias], torch.int64, device)
-        bias.index_add_(0, ids, to_device([b for _, b in logit_bias], torch.float32, device))
-    return bias
+def _stack_padded(tables: list[torch.Tensor], value: int) -> torch.Tensor:
+    """``[b, max n, max w]`` from ``[n_i, w_i]`` tensors: padded with ``value`` on the left of dim 1 (so prefixes stay
+    right-aligned) and at the end of dim 0 (one device pad per row that differs; none when all agree)."""
+    rows = max(t.shape[0] for t in tables)
+    width = max(t.shape[1] for t in tables)
+    return torch.stack([t if t.shape == (rows, width) else F.pad(t, (width - t.shape[1], 0, 0, rows - t.shape[0]),
+                                                                   value=value) for t in tables])
 
 
 def initial_counts(prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
@@ -92,18 +95,18 @@ class LogitsProcessor:
         if any(p.counts_tokens for p in chosen):
             zeros = torch.zeros(vocab, dtype=torch.float32, device=device)
             row_counts = torch.stack([counts[i] if counts[i] is not None else zeros for i in rows])
+        tables = [tables_of(p) for p in chosen]
         bias = None
         if any(p.logit_bias for p in chosen):
-            bias = torch.stack([_bias_vector(p.logit_bias, vocab, device) for p in chosen])
+            bias = torch.stack([t.bias(vocab, device) for t in tables])
         bad_prefix = bad_last = tail = None
         if any(p.bad_words for p in chosen):
-            k = max(len(p.bad_words) for p in chosen)
-            w = max(len(word) - 1 for p in chosen for word in p.bad_words) if k else 0
-            prefix = [[[-1] * (w - len(word) + 1) + list(word[:-1]) for word in p.bad_words]
-                      + [[-1] * w] * (k - len(p.bad_words)) for p in chosen]
-            last = [[word[-1] for word in p.bad_words] + [-1] * (k - len(p.bad_words)) for p in chosen]
-            bad_prefix = to_device(prefix, torch.int64, device).view(len(rows), k, w)
-            bad_last = to_device(last, torch.int64, device)
+            w = max(t.bad_width for t in tables)
+            empty = (torch.full((0, 0), -1, dtype=torch.int64, device=device),
+                     torch.full((0,), -1, dtype=torch.int64, device=device))
+            words = [t.bad_word_tensors(device) if p.bad_words else empty for t, p in zip(tables, chosen, strict=True)]
+            bad_prefix = _stack_padded([prefix for prefix, _ in words], -1)
+            bad_last = _stack_padded([last.unsqueeze(1) for _, last in words], -1).squeeze(2)
             tails = []
             for i in rows:
                 prompt, output = sequences[i]
@@ -115,10 +118,8 @@ class LogitsProcessor:
             tail = to_device(tails, torch.int64, device).view(len(rows), w)
         stop_ids = None
         if any(p.min_tokens > 0 for p in chosen):
-            stops = [sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))) for p in chosen]
-            width = max(len(s) for s in stops)
-            stop_ids = to_device([s + [vocab] * (width - len(s)) for s in stops], torch.int64,
-                                 device).view(len(rows), width)
+            stops = [t.stop_ids(eos_token_ids, device) for t in tables]
+            stop_ids = _stack_padded([s.unsqueeze(0) for s in stops], vocab).squeeze(1)
         return cls(
             rows=to_device(rows, torch.int64, device), vocab=vocab, counts=row_counts,
             repetition=to_device([p.repetition_penalty for p in chosen], torch.float64, device),

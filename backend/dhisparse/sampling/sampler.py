@@ -82,3 +82,16 @@ def token_log_probs(logits: torch.Tensor, temperature: torch.Tensor, tokens: tor
     safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float64)
     log_p = torch.log_softmax(logits.to(torch.float64) / safe_t.unsqueeze(-1), dim=-1)
     return log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def top_token_log_probs(logits: torch.Tensor, temperature: float, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each position and their log-probabilities, under the distribution
+    ``token_log_probs`` uses (``log_softmax(logits / T)``, ``T = 1`` when greedy): ``logits [..., V]`` (processed)
+    -> ``(ids [..., k] int64, log_probs [..., k] float64)``, most likely first (ties: lower id first).
+    ``k`` is clamped to ``V``."""
+    safe_t = temperature if temperature > 0 else 1.0
+    log_p = torch.log_softmax(logits.to(torch.float64) / safe_t, dim=-1)
+    k = min(k, log_p.shape[-1])
+    # A stable descending sort orders ties by token id (torch.topk's tie order is unspecified).
+    values, ids = torch.sort(log_p, dim=-1, descending=True, stable=True)
+    return ids[..., :k], values[..., :k]

@@ -15,7 +15,6 @@ Tokenisation runs in-process with the same functions as the `preprocessing` mode
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import threading
 import uuid
@@ -25,10 +24,12 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from dhisparse.errors import InvalidRequestError
+from dhisparse.serving.internal_auth import AUTH_INPUT, CANCEL, InternalAuth
+from dhisparse.serving.limits import RequestLimits
 from dhisparse.serving.llm_outputs import PERF_METRIC_OUTPUTS
 from dhisparse.serving.text_processing import preprocess
-from dhisparse.serving.tokenization import TokenBytes
-from dhisparse.serving.triton_tensors import error_response, request_arrays, response
+from dhisparse.serving.tokenization import TextDecoder, TokenBytes
+from dhisparse.serving.triton_tensors import STUB_LOCK, error_response, request_arrays, response
 
 # The ensemble's inputs (model_repository/ensemble/config.pbtxt), all of them.
 ENSEMBLE_INPUTS = (
@@ -36,9 +37,10 @@ ENSEMBLE_INPUTS = (
     "exclude_input_in_output", "end_id", "pad_id", "top_k", "top_p", "temperature", "length_penalty",
     "repetition_penalty", "min_length", "min_tokens", "presence_penalty", "frequency_penalty", "random_seed", "seed",
     "return_log_probs", "return_context_logits", "return_generation_logits", "return_perf_metrics",
-    "return_num_input_tokens", "return_num_output_tokens", "beam_width", "stream", "prompt_embedding_table",
-    "prompt_table_extra_id", "prompt_vocab_size", "embedding_bias_words", "embedding_bias_weights", "lora_task_id",
-    "lora_weights", "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
+    "return_num_input_tokens", "return_num_output_tokens", "return_finish_reason", "beam_width", "stream",
+    "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size", "embedding_bias_words",
+    "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config", "guided_decoding_guide_type",
+    "guided_decoding_guide",
 )
 # Ensemble input -> preprocessing input.
 _PREPROCESSED = {
@@ -56,16 +58,25 @@ _PASS_THROUGH = {
 # The dhisparse model's outputs (llm_outputs.py); output_ids / sequence_length become text_output here.
 LLM_OUTPUTS = (
     "output_ids", "sequence_length", "cum_log_probs", "output_log_probs", "context_logits", "generation_logits",
-    "batch_index", "sequence_index", *PERF_METRIC_OUTPUTS, "num_input_tokens", "num_output_tokens",
+    "batch_index", "sequence_index", *PERF_METRIC_OUTPUTS, "num_input_tokens", "num_output_tokens", "finish_reason",
 )
 
 
-def llm_inputs(tokenizer: Tokenizer, inputs: dict[str, np.ndarray], add_special_tokens: bool) -> dict[str, np.ndarray]:
-    """Ensemble-style inputs -> the `dhisparse` model's inputs (tokenising as `preprocessing` does)."""
+def llm_inputs(tokenizer: Tokenizer, inputs: dict[str, np.ndarray], add_special_tokens: bool,
+               limits: RequestLimits | None = None) -> dict[str, np.ndarray]:
+    """Ensemble-style inputs -> the `dhisparse` model's inputs (tokenising as `preprocessing` does, after the
+    per-request limits are checked: `RequestLimits`)."""
+    limits = limits or RequestLimits()
+    limits.check_request_bytes(inputs)
     if "max_tokens" not in inputs:
         raise InvalidRequestError("max_tokens is missing")
+    if "num_return_sequences" in inputs:
+        sequences = np.asarray(inputs["num_return_sequences"]).reshape(-1)
+        queries = np.asarray(inputs.get("text_input", np.empty((1, 1), dtype=object)))
+        if sequences.size and sequences.dtype != object:
+            limits.check_batch(queries.shape[0] if queries.ndim else 1, int(sequences.max()))
     renamed = {key: inputs[name] for name, key in _PREPROCESSED.items() if name in inputs}
-    pre = preprocess(tokenizer, renamed, add_special_tokens)
+    pre = preprocess(tokenizer, renamed, add_special_tokens, limits)
     out = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
            "request_output_len": pre["REQUEST_OUTPUT_LEN"], "stop_words_list": pre["STOP_WORDS_IDS"],
            "bad_words_list": pre["BAD_WORDS_IDS"], "embedding_bias": pre["EMBEDDING_BIAS"],
@@ -74,22 +85,6 @@ def llm_inputs(tokenizer: Tokenizer, inputs: dict[str, np.ndarray], add_special_
         if source in inputs:
             out[target] = inputs[source]
     return out
-
-
-class TextDecoder:
-    """Token ids -> text in whole characters, across chunks (holds back an incomplete UTF-8 tail)."""
-
-    def __init__(self, token_bytes: TokenBytes) -> None:
-        self._token_bytes = token_bytes
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, token_ids: list[int] | np.ndarray) -> str:
-        """Text completed by these tokens (may be empty)."""
-        return self._utf8.decode(self._token_bytes.decode(token_ids))
-
-    def flush(self) -> str:
-        """Whatever is held back (a truncated character becomes U+FFFD)."""
-        return self._utf8.decode(b"", final=True)
 
 
 class BLSService:
@@ -103,9 +98,12 @@ class BLSService:
     """
 
     def __init__(self, pb: Any, tokenizer: Tokenizer, token_bytes: TokenBytes, llm_model: str = "dhisparse",
-                 add_special_tokens: bool = True) -> None:
+                 add_special_tokens: bool = True, limits: RequestLimits | None = None,
+                 auth: InternalAuth | None = None) -> None:
         self._pb, self._tokenizer, self._token_bytes = pb, tokenizer, token_bytes
         self._llm_model, self._add_special_tokens = llm_model, add_special_tokens
+        self._limits = limits or RequestLimits()
+        self._auth = auth  # signs the cancel control requests the `dhisparse` model accepts only from us
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self.cancel_poll_s = 0.1  # how often a request's cancellation is polled while no response arrives
@@ -114,7 +112,8 @@ class BLSService:
         """Read the request's tensors now (they live only during execute) and respond from a thread."""
         sender = request.get_response_sender()
         try:
-            inputs = request_arrays(self._pb, request, ENSEMBLE_INPUTS)
+            with STUB_LOCK:
+                inputs = request_arrays(self._pb, request, ENSEMBLE_INPUTS)
         except Exception as error:
             sender.send(error_response(self._pb, error), flags=self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -136,7 +135,10 @@ class BLSService:
     def _cancel(self, request_id: str) -> None:
         # Its own request id: a control request sharing the target's id stalls the target's BLS stream.
         target = np.array([[request_id.encode()]], dtype=object)
-        control = self._llm_request({"cancel_request_id": target}, f"{request_id}-cancel")
+        arrays = {"cancel_request_id": target}
+        if self._auth is not None:
+            arrays[AUTH_INPUT] = self._auth.token(CANCEL, request_id)
+        control = self._llm_request(arrays, f"{request_id}-cancel")
         for _ in control.exec(decoupled=True):
             pass
 
@@ -144,7 +146,7 @@ class BLSService:
         final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         sender = _GuardedSender(triton_sender, final)
         try:
-            arrays = llm_inputs(self._tokenizer, inputs, self._add_special_tokens)
+            arrays = llm_inputs(self._tokenizer, inputs, self._add_special_tokens, self._limits)
         except Exception as error:
             sender.send(error_response(self._pb, error), flags=final)
             return
@@ -157,34 +159,36 @@ class BLSService:
         threading.Thread(target=self._watch_cancellation, args=(sender, request_id), daemon=True).start()
         try:
             for inner in self._llm_request(arrays, request_id).exec(decoupled=True):
-                if inner.has_error():
-                    if not sender.cancelled:
-                        sender.send(error_response(self._pb, RuntimeError(inner.error().message())), flags=final)
-                        return
-                    continue
-                if sender.claim_cancellation():
-                    self._cancel(request_id)
-                output = self._pb.get_output_tensor_by_name(inner, "output_ids")
-                if sender.cancelled or output is None:
-                    continue
-                extras = {name: tensor.as_numpy() for name in LLM_OUTPUTS[2:]
-                          if (tensor := self._pb.get_output_tensor_by_name(inner, name)) is not None}
-                key = (int(extras["batch_index"].reshape(-1)[0]), int(extras["sequence_index"].reshape(-1)[0]))
-                decoder = decoders.setdefault(key, TextDecoder(self._token_bytes))
-                length = int(self._pb.get_output_tensor_by_name(inner, "sequence_length").as_numpy().reshape(-1)[0])
-                chunk = decoder.feed(output.as_numpy().reshape(-1)[:length])
-                if streaming:
-                    if chunk or len(extras) > 2:
-                        sender.send(response(self._pb, {"text_output": _text(chunk), **extras}))
-                else:
-                    text, _ = pending.setdefault(key, ([], {}))
-                    text.append(chunk)
-                    pending[key] = (text, extras)
+                with STUB_LOCK:  # one thread at a time builds and sends (see triton_tensors.STUB_LOCK)
+                    if inner.has_error():
+                        if not sender.cancelled:
+                            sender.send(error_response(self._pb, RuntimeError(inner.error().message())), flags=final)
+                            return
+                        continue
+                    if sender.claim_cancellation():
+                        self._cancel(request_id)
+                    output = self._pb.get_output_tensor_by_name(inner, "output_ids")
+                    if sender.cancelled or output is None:
+                        continue
+                    extras = {name: tensor.as_numpy() for name in LLM_OUTPUTS[2:]
+                              if (tensor := self._pb.get_output_tensor_by_name(inner, name)) is not None}
+                    key = (int(extras["batch_index"].reshape(-1)[0]), int(extras["sequence_index"].reshape(-1)[0]))
+                    decoder = decoders.setdefault(key, TextDecoder(self._token_bytes))
+                    length = int(self._pb.get_output_tensor_by_name(inner, "sequence_length").as_numpy().reshape(-1)[0])
+                    chunk = decoder.feed(output.as_numpy().reshape(-1)[:length])
+                    if streaming:
+                        if chunk or len(extras) > 2:
+                            sender.send(response(self._pb, {"text_output": _text(chunk), **extras}))
+                    else:
+                        text, _ = pending.setdefault(key, ([], {}))
+                        text.append(chunk)
+                        pending[key] = (text, extras)
             if sender.cancelled:
                 sender.send(error_response(self._pb, self._pb.TritonError(
                     "request cancelled by the client", self._pb.TritonError.CANCELLED)), flags=final)
                 return
-            self._finish(sender, streaming, sequences, decoders, pending)
+            with STUB_LOCK:
+                self._finish(sender, streaming, sequences, decoders, pending)
         except Exception as error:
             if not sender.finished.is_set():
                 sender.send(error_response(self._pb, RuntimeError(f"request failed: {error}")), flags=final)
@@ -227,7 +231,7 @@ class _GuardedSender:
         self.cancelled = False
 
     def send(self, response: Any = None, flags: int = 0) -> None:
-        with self._lock:
+        with STUB_LOCK, self._lock:
             if flags & self._final_flag:
                 self.finished.set()
             if response is None:
@@ -236,7 +240,7 @@ class _GuardedSender:
                 self._sender.send(response, flags=flags)
 
     def claim_cancellation(self) -> bool:
-        with self._lock:
+        with STUB_LOCK, self._lock:
             if self.cancelled or self.finished.is_set() or not self._sender.is_cancelled():
                 return False
             self.cancelled = True
@@ -244,7 +248,8 @@ class _GuardedSender:
 
 
 def _text(text: str) -> np.ndarray:
-    return np.array([[text.encode()]], dtype=object)
+    """`text_output` as tensorrtllm_backend's BLS returns it: one string per sequence, 1-D."""
+    return np.array([text.encode()], dtype=object)
 
 
 def _index(value: int) -> np.ndarray:

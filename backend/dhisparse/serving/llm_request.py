@@ -21,7 +21,16 @@ reason — never for merely being present with its neutral value. Defaults (= ab
   of that name, true by default).
 - return_log_probs, return_context_logits, return_generation_logits, return_perf_metrics,
   return_num_input_tokens, return_num_output_tokens [1] bool: extra outputs (false).
+- return_finish_reason [1] bool (tensorrtllm_backend's `llmapi` model): a `finish_reason` output (false).
+- return_final_perf_metrics [1] bool: the perf-metric outputs on each sequence's last response only (false): what a
+  client that reads a request's totals needs (the OpenAI API's usage), without 13 more tensors on every streamed
+  response (measured: +17 % latency for 32-token answers on a CPU machine).
+- num_top_log_probs [1] int32: K most likely tokens with their log-probabilities at every generated position,
+  outputs `top_token_ids` / `top_log_probs` (0 = none; at most 20, as OpenAI's `top_logprobs`).
 - streaming [1] bool: one response per engine step (false).
+- stream_whole_characters [1] bool: streamed responses end at UTF-8 character boundaries of the detokenized text:
+  a token whose bytes leave a character incomplete waits for the tokens that complete it (false; the ensemble's
+  preprocessing sets it, so that its per-chunk detokenisation gives whole characters). Needs the engine's tokenizer.
 - beam_width [1] int32: refused unless 1 (len_penalty, early_stopping, beam_search_diversity_rate only matter
   for beam search and are accepted).
 - draft_input_ids, draft_logits, draft_acceptance_threshold: refused when given (drafts come from the engine's
@@ -30,8 +39,10 @@ reason — never for merely being present with its neutral value. Defaults (= ab
 - lora_task_id, lora_weights, lora_config: refused when non-zero / non-empty (no LoRA).
 - guided_decoding_guide_type, guided_decoding_guide [1] bytes: refused when non-empty (no guided decoding).
 - decoder_input_ids, decoder_input_lengths: refused when non-empty / non-zero (decoder-only engine).
-- stop [1] bool: true stops the open request with this Triton request id.
-- cancel_request_id [1] bytes: control request of `dhisparse_bls`: cancel the open request with this id.
+- stop [1] bool: true stops the open request with this Triton request id, only where the deployment allows it
+  (`dhisparse-serve --allow-stop-by-request-id`; refused by default: any client could name another's id).
+- cancel_request_id [1] bytes: control request of `dhisparse_bls`: cancel the open request with this id; it must
+  carry the deployment's internal token (`dhisparse_auth`, see `internal_auth.py`), so clients cannot send it.
 
 Outputs are built by `dhisparse.serving.llm_outputs`.
 """
@@ -46,6 +57,7 @@ import numpy as np
 
 from dhisparse.errors import InvalidRequestError
 from dhisparse.sampling.params import SamplingParams
+from dhisparse.serving.limits import RequestLimits
 from dhisparse.serving.tokenization import split_word_list
 
 LLM_INPUTS = (
@@ -55,10 +67,15 @@ LLM_INPUTS = (
     "beam_search_diversity_rate", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_length",
     "min_tokens", "num_return_sequences", "exclude_input_in_output", "return_log_probs", "return_context_logits",
     "return_generation_logits", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
-    "draft_input_ids", "draft_logits", "draft_acceptance_threshold", "prompt_embedding_table", "prompt_vocab_size",
+    "return_finish_reason", "return_final_perf_metrics", "num_top_log_probs", "stream_whole_characters",
+    "draft_input_ids", "draft_logits",
+    "draft_acceptance_threshold", "prompt_embedding_table", "prompt_vocab_size",
     "prompt_table_extra_ids", "lora_task_id", "lora_weights", "lora_config", "guided_decoding_guide_type",
     "guided_decoding_guide", "decoder_input_ids", "decoder_input_lengths", "stop", "cancel_request_id",
 )
+# What the engine models read: the client inputs plus the internal token of control requests (internal_auth.py).
+CONTROLLED_INPUTS = (*LLM_INPUTS, "dhisparse_auth")
+MAX_TOP_LOG_PROBS = 20  # num_top_log_probs' limit (OpenAI's top_logprobs allows 0..20)
 # Scalar inputs whose only supported value is a neutral one: name -> (check, what is refused).
 _NEUTRAL_SCALARS = {
     "beam_width": (lambda v: v == 1, "beam_width must be 1: beam search is not supported"),
@@ -90,6 +107,9 @@ class OutputOptions:
     perf_metrics: bool = False
     num_input_tokens: bool = False
     num_output_tokens: bool = False
+    finish_reason: bool = False
+    final_perf_metrics: bool = False  # perf metrics on the last response only
+    top_log_probs: int = 0  # K of num_top_log_probs (0 = none)
 
 
 @dataclass(frozen=True)
@@ -106,6 +126,7 @@ class LLMRequest:
         exclude_input_in_output: non-streaming output_ids hold only generated tokens (else prompt first).
         outputs: optional outputs asked for.
         batch_index: row of this prompt in its Triton request.
+        whole_characters: streamed responses end at UTF-8 character boundaries (`stream_whole_characters`).
     """
 
     prompt_token_ids: list[int]
@@ -116,6 +137,7 @@ class LLMRequest:
     exclude_input_in_output: bool = True
     outputs: OutputOptions = OutputOptions()
     batch_index: int = 0
+    whole_characters: bool = False
 
 
 def _batch_size(inputs: Mapping[str, np.ndarray]) -> int:
@@ -174,27 +196,50 @@ def _refuse_unsupported(inputs: Mapping[str, np.ndarray], row: int) -> None:
             _finite(name, float(_scalar(inputs, name, 0.0, row)))
 
 
-def _logit_bias(inputs: Mapping[str, np.ndarray], row: int) -> tuple[tuple[int, float], ...]:
+def _logit_bias(inputs: Mapping[str, np.ndarray], row: int, limits: RequestLimits) -> tuple[tuple[int, float], ...]:
     if "embedding_bias" not in inputs:
         return ()
-    bias = _row(inputs, "embedding_bias", row).reshape(-1).astype(np.float64)
+    bias = _row(inputs, "embedding_bias", row).reshape(-1)
+    limits.check_bias_size(bias.size)
+    bias = bias.astype(np.float64)
     if not np.isfinite(bias).all():
         raise InvalidRequestError("embedding_bias must be finite")
     ids = np.flatnonzero(bias)
     return tuple((int(i), float(bias[i])) for i in ids)
 
 
-def parse_llm_requests(inputs: Mapping[str, np.ndarray], exclude_input_default: bool = True) -> list[LLMRequest]:
+def check_limits(inputs: Mapping[str, np.ndarray], limits: RequestLimits) -> None:
+    """The per-request limits that can be checked on the raw tensors (bytes, batch, sequences, prompt and word-list
+    sizes), before anything is converted or started; raises LimitExceededError naming the limit."""
+    limits.check_request_bytes(inputs)
+    batch = _batch_size(inputs)
+    sequences = np.asarray(inputs.get("num_return_sequences", np.ones(1, dtype=np.int32))).reshape(-1)
+    limits.check_batch(batch, int(sequences.max()) if sequences.size and sequences.dtype != object else 1)
+    if "input_ids" in inputs:
+        ids = np.asarray(inputs["input_ids"])
+        limits.check_prompt_tokens(ids.size // max(batch, 1), "input_ids")
+    for name in ("stop_words_list", "bad_words_list"):
+        if name in inputs:
+            array = np.asarray(inputs[name])
+            limits.check_word_list_width(name, array.shape[-1] if array.ndim else 0)
+
+
+def parse_llm_requests(inputs: Mapping[str, np.ndarray], exclude_input_default: bool = True,
+                       limits: RequestLimits | None = None) -> list[LLMRequest]:
     """Validate and translate one Triton request (B prompts) into B requests; raise InvalidRequestError saying
-    what is wrong (nothing is started then). `exclude_input_default` is the model's `exclude_input_in_output`."""
+    what is wrong (nothing is started then). `exclude_input_default` is the model's `exclude_input_in_output`;
+    `limits` (default: `RequestLimits()`) are checked first (`check_limits`)."""
+    limits = limits or RequestLimits()
+    check_limits(inputs, limits)
     if "input_ids" not in inputs:
         raise InvalidRequestError("input_ids is missing: send the prompt's token ids")
     if "request_output_len" not in inputs:
         raise InvalidRequestError("request_output_len (max_tokens) is missing")
-    return [_parse_row(inputs, row, exclude_input_default) for row in range(_batch_size(inputs))]
+    return [_parse_row(inputs, row, exclude_input_default, limits) for row in range(_batch_size(inputs))]
 
 
-def _parse_row(inputs: Mapping[str, np.ndarray], row: int, exclude_input_default: bool) -> LLMRequest:
+def _parse_row(inputs: Mapping[str, np.ndarray], row: int, exclude_input_default: bool,
+               limits: RequestLimits) -> LLMRequest:
     ids = _row(inputs, "input_ids", row).reshape(-1)
     length = int(_scalar(inputs, "input_lengths", ids.size, row))
     if not 0 <= length <= ids.size:
@@ -206,6 +251,8 @@ def _parse_row(inputs: Mapping[str, np.ndarray], row: int, exclude_input_default
 
     stop_words = split_word_list(_row(inputs, "stop_words_list", row)) if "stop_words_list" in inputs else []
     bad_words = split_word_list(_row(inputs, "bad_words_list", row)) if "bad_words_list" in inputs else []
+    limits.check_word_tokens("stop_words_list", stop_words)
+    limits.check_word_tokens("bad_words_list", bad_words)
     stop_token_ids = [word[0] for word in stop_words if len(word) == 1]
     end_id = int(_scalar(inputs, "end_id", -1, row))
     if end_id >= 0:
@@ -226,8 +273,12 @@ def _parse_row(inputs: Mapping[str, np.ndarray], row: int, exclude_input_default
     num_sequences = int(_scalar(inputs, "num_return_sequences", 1, row))
     if num_sequences < 1:
         raise InvalidRequestError(f"num_return_sequences must be >= 1, got {num_sequences}")
+    top = int(_scalar(inputs, "num_top_log_probs", 0, row))
+    if not 0 <= top <= MAX_TOP_LOG_PROBS:
+        raise InvalidRequestError(f"num_top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], got {top}")
     outputs = OutputOptions(**{field: bool(_scalar(inputs, f"return_{field}", False, row))
-                               for field in OutputOptions.__dataclass_fields__})
+                               for field in OutputOptions.__dataclass_fields__ if field != "top_log_probs"},
+                            top_log_probs=top)
     params = SamplingParams(
         max_tokens=int(_scalar(inputs, "request_output_len", 0, row)), temperature=temperature, top_k=top_k,
         top_p=top_p, seed=None if seed is None else int(seed), stop_token_ids=tuple(stop_token_ids),
@@ -237,8 +288,8 @@ def _parse_row(inputs: Mapping[str, np.ndarray], row: int, exclude_input_default
         # min_length counts the ending token too (TensorRT-LLM's default 1 is neutral): EOS may come as token
         # min_length at the earliest, i.e. after min_length - 1 generated tokens.
         min_tokens=max(int(_alias(inputs, ("min_length", "min_tokens"), 1, row)) - 1, 0), bad_words=tuple(bad_words),
-        logit_bias=_logit_bias(inputs, row), logprobs=outputs.log_probs,
-        generation_logits=outputs.generation_logits, context_logits=outputs.context_logits,
+        logit_bias=_logit_bias(inputs, row, limits), logprobs=outputs.log_probs,
+        generation_logits=outputs.generation_logits or top > 0, context_logits=outputs.context_logits,
         perf_metrics=outputs.perf_metrics,
     )
     return LLMRequest(
@@ -246,12 +297,13 @@ def _parse_row(inputs: Mapping[str, np.ndarray], row: int, exclude_input_default
         stop_sequences=tuple(word for word in stop_words if len(word) > 1), num_return_sequences=num_sequences,
         exclude_input_in_output=bool(_scalar(inputs, "exclude_input_in_output", exclude_input_default, row)),
         outputs=outputs, batch_index=row,
+        whole_characters=bool(_scalar(inputs, "stream_whole_characters", False, row)),
     )
 
 
-def parse_llm_request(inputs: Mapping[str, np.ndarray]) -> LLMRequest:
+def parse_llm_request(inputs: Mapping[str, np.ndarray], limits: RequestLimits | None = None) -> LLMRequest:
     """The single request of a batch-1 Triton request (see `parse_llm_requests`)."""
-    requests = parse_llm_requests(inputs)
+    requests = parse_llm_requests(inputs, limits=limits)
     if len(requests) != 1:
         raise InvalidRequestError(f"expected one prompt, got {len(requests)}")
     return requests[0]

@@ -23,6 +23,11 @@ class StopSequenceMatcher:
         if any(len(s) == 0 for s in sequences):
             raise ValueError("stop sequences must be non-empty")
         self.sequences = tuple(tuple(s) for s in sequences)
+        # Sequences by length: each fed token costs one set lookup per distinct length, not a walk over every word.
+        self._by_length: dict[int, set[tuple[int, ...]]] = {}
+        for sequence in self.sequences:
+            self._by_length.setdefault(len(sequence), set()).add(sequence)
+        self._lengths = sorted(self._by_length)
         self._min_tokens, self._fed = min_tokens, 0
         self._keep = max((len(s) for s in self.sequences), default=1) - 1
         self._tail: list[int] = []
@@ -40,7 +45,8 @@ class StopSequenceMatcher:
         for index, token in enumerate(new_tokens):
             self._tail.append(int(token))
             self._fed += 1
-            ended = any(len(s) <= len(self._tail) and tuple(self._tail[-len(s):]) == s for s in self.sequences)
+            tail = self._tail
+            ended = any(n <= len(tail) and tuple(tail[-n:]) in self._by_length[n] for n in self._lengths)
             if ended and self._fed > self._min_tokens:
                 self.stopped = True
                 return index + 1

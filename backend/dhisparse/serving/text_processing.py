@@ -11,9 +11,15 @@ preprocessing  QUERY [B, 1] bytes, REQUEST_OUTPUT_LEN [B, 1] int32, optional STO
                REQUEST_OUTPUT_LEN [B, 1] int32, STOP_WORDS_IDS / BAD_WORDS_IDS [B, 2, W] int32,
                EMBEDDING_BIAS [B, V] fp32 ([B, 0] when no row has bias words; each word's weight is added at every
                token the word encodes to, as tensorrtllm_backend does), OUT_END_ID / OUT_PAD_ID [B, 1] int32
-               (-1 = "not given": the engine's own end-of-sequence token applies)
+               (-1 = "not given": the engine's own end-of-sequence token applies), STREAM_WHOLE_CHARACTERS [B, 1]
+               bool = true (the LLM model's `stream_whole_characters`: streamed chunks end at character
+               boundaries, so that postprocessing, which sees one chunk at a time, decodes whole characters)
 postprocessing TOKENS_BATCH [B, beams, T] int32, SEQUENCE_LENGTH [B, beams] int32
-           ->  OUTPUT [B, beams] bytes (UTF-8; a streamed chunk may end inside a character)
+           ->  OUTPUT [B * beams] bytes, one string per sequence, 1-D, always valid UTF-8 (bytes that are not,
+               e.g. a character cut by max_tokens, become U+FFFD as a replacing decoder makes them). 1-D as
+               tensorrtllm_backend's postprocessing returns it: its clients read `text_output[0].decode("utf-8")`
+               (the LLM model answers one prompt per response, so B = 1 there). With STREAM_WHOLE_CHARACTERS no
+               streamed chunk ends inside a character, so the chunks concatenate to the whole sequence's text.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from dhisparse.errors import InvalidRequestError
-from dhisparse.serving.tokenization import TokenBytes, encode_prompt, word_list
+from dhisparse.serving.limits import RequestLimits
+from dhisparse.serving.tokenization import TokenBytes, encode_prompt, split_word_list, word_list
 
 PREPROCESSING_INPUTS = ("QUERY", "DECODER_QUERY", "REQUEST_OUTPUT_LEN", "STOP_WORDS_DICT", "BAD_WORDS_DICT",
                         "EMBEDDING_BIAS_WORDS", "EMBEDDING_BIAS_WEIGHTS", "END_ID", "PAD_ID", "PROMPT_TABLE_EXTRA_ID")
@@ -47,10 +54,22 @@ def _text(value: object, name: str) -> str:
         raise InvalidRequestError(f"{name} is not valid UTF-8: {error}") from error
 
 
-def _words(name: str, row: np.ndarray | None) -> list[str]:
+def _raw_words(row: np.ndarray | None) -> list[bytes]:
     if row is None:
         return []
-    return [_text(w, name) for w in row.reshape(-1) if w not in (b"", "")]
+    return [w if isinstance(w, bytes) else str(w).encode() for w in row.reshape(-1).tolist() if w not in (b"", "")]
+
+
+def _words(name: str, row: np.ndarray | None, limits: RequestLimits) -> list[str]:
+    raw = _raw_words(row)
+    limits.check_text_words(name, raw)  # before decoding or tokenising anything
+    return [_text(w, name) for w in raw]
+
+
+def _checked_word_list(tokenizer: Tokenizer, name: str, words: list[str], limits: RequestLimits) -> np.ndarray:
+    array = word_list(tokenizer, words)
+    limits.check_word_tokens(name, split_word_list(array))
+    return array
 
 
 def _scalar_or_missing(name: str, array: np.ndarray | None, batch: int) -> np.ndarray:
@@ -84,9 +103,15 @@ def _embedding_bias(tokenizer: Tokenizer, words: list[str], weights: np.ndarray 
     return bias
 
 
-def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
-               add_special_tokens: bool = True) -> dict[str, np.ndarray]:
-    """Tokenise each prompt of a request and its stop/bad/bias words (see the module docstring for layouts)."""
+def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray], add_special_tokens: bool = True,
+               limits: RequestLimits | None = None) -> dict[str, np.ndarray]:
+    """Tokenise each prompt of a request and its stop/bad/bias words (see the module docstring for layouts).
+
+    ``limits`` (default: :class:`RequestLimits`' defaults) are checked before any text is decoded or tokenised:
+    the request's bytes, its batch, each prompt's bytes and word lists; each prompt's tokens right after it is
+    tokenised. A request over a limit raises :class:`~dhisparse.serving.limits.LimitExceededError` naming it."""
+    limits = limits or RequestLimits()
+    limits.check_request_bytes(inputs)
     if "QUERY" not in inputs:
         raise InvalidRequestError("text_input is missing: send the prompt as text_input")
     queries = np.asarray(inputs["QUERY"])
@@ -96,11 +121,16 @@ def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
     queries = queries.reshape(batch, -1)
     if queries.shape[1] != 1:
         raise InvalidRequestError(f"text_input must hold exactly one prompt per batch row, got {queries.shape[1]}")
+    limits.check_batch(batch)
+    for query in queries[:, 0].tolist():
+        limits.check_prompt_bytes(len(query) if isinstance(query, (bytes, str)) else len(str(query)))
     for name, label in (("DECODER_QUERY", "decoder_text_input"), ("PROMPT_TABLE_EXTRA_ID", "prompt_table_extra_id")):
         if name in inputs and any(v not in (b"", "", 0) for v in np.asarray(inputs[name]).reshape(-1).tolist()):
             what = "encoder-decoder models" if name == "DECODER_QUERY" else "prompt-embedding tables"
             raise InvalidRequestError(f"{label} is not supported: this engine serves decoder-only models without "
                                       f"{what}; leave it empty")
+    if "REQUEST_OUTPUT_LEN" not in inputs:
+        raise InvalidRequestError("max_tokens is missing: send the number of tokens to generate as max_tokens")
     output_len = _rows("max_tokens", np.asarray(inputs["REQUEST_OUTPUT_LEN"]), batch).reshape(batch, -1)
     if output_len.shape[1] != 1:
         raise InvalidRequestError(f"max_tokens must hold one value per prompt, got {output_len.shape[1]}")
@@ -112,12 +142,19 @@ def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
     prompts, stops, bads, biases = [], [], [], []
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     want_bias = "EMBEDDING_BIAS_WORDS" in inputs or "EMBEDDING_BIAS_WEIGHTS" in inputs
+    for b in range(batch):  # every row's word lists are checked before any prompt is tokenised
+        _words("stop_words", row("stop_words", "STOP_WORDS_DICT", b), limits)
+        _words("bad_words", row("bad_words", "BAD_WORDS_DICT", b), limits)
+        _words("embedding_bias_words", row("embedding_bias_words", "EMBEDDING_BIAS_WORDS", b), limits)
     for b in range(batch):
         prompts.append(encode_prompt(tokenizer, _text(queries[b, 0], "text_input"), add_special_tokens))
-        stops.append(word_list(tokenizer, _words("stop_words", row("stop_words", "STOP_WORDS_DICT", b))))
-        bads.append(word_list(tokenizer, _words("bad_words", row("bad_words", "BAD_WORDS_DICT", b))))
+        limits.check_prompt_tokens(len(prompts[-1]), "text_input")
+        stops.append(_checked_word_list(tokenizer, "stop_words",
+                                        _words("stop_words", row("stop_words", "STOP_WORDS_DICT", b), limits), limits))
+        bads.append(_checked_word_list(tokenizer, "bad_words",
+                                       _words("bad_words", row("bad_words", "BAD_WORDS_DICT", b), limits), limits))
         if want_bias:
-            words = _words("embedding_bias_words", row("embedding_bias_words", "EMBEDDING_BIAS_WORDS", b))
+            words = _words("embedding_bias_words", row("embedding_bias_words", "EMBEDDING_BIAS_WORDS", b), limits)
             weights = row("embedding_bias_weights", "EMBEDDING_BIAS_WEIGHTS", b)
             biases.append(_embedding_bias(tokenizer, words, weights, vocab))
     length = max(len(p) for p in prompts)
@@ -135,11 +172,12 @@ def preprocess(tokenizer: Tokenizer, inputs: Mapping[str, np.ndarray],
         "EMBEDDING_BIAS": bias,
         "OUT_END_ID": _scalar_or_missing("end_id", inputs.get("END_ID"), batch),
         "OUT_PAD_ID": pad,
+        "STREAM_WHOLE_CHARACTERS": np.ones((batch, 1), dtype=bool),
     }
 
 
 def postprocess(token_bytes: TokenBytes, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Detokenise `TOKENS_BATCH[b, beam, :SEQUENCE_LENGTH[b, beam]]` into `OUTPUT[b, beam]` bytes."""
+    """Detokenise `TOKENS_BATCH[b, beam, :SEQUENCE_LENGTH[b, beam]]` into `OUTPUT[b * beams + beam]` bytes."""
     tokens = np.asarray(inputs["TOKENS_BATCH"])
     lengths = np.asarray(inputs["SEQUENCE_LENGTH"])
     if tokens.ndim != 3 or lengths.shape != tokens.shape[:2]:
@@ -147,9 +185,10 @@ def postprocess(token_bytes: TokenBytes, inputs: Mapping[str, np.ndarray]) -> di
             f"TOKENS_BATCH {list(tokens.shape)} / SEQUENCE_LENGTH {list(lengths.shape)} are not [B, beams, T] / "
             "[B, beams]"
         )
-    out = np.empty(tokens.shape[:2], dtype=object)
+    out = np.empty(tokens.shape[0] * tokens.shape[1], dtype=object)
     for b in range(tokens.shape[0]):
         for beam in range(tokens.shape[1]):
             length = int(lengths[b, beam])
-            out[b, beam] = token_bytes.decode(tokens[b, beam, :length])
+            text = token_bytes.decode(tokens[b, beam, :length])
+            out[b * tokens.shape[1] + beam] = text.decode("utf-8", "replace").encode()
     return {"OUTPUT": out}

@@ -15,6 +15,7 @@ to decoding each chunk as a whole.
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def load_tokenizer(engine_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: the engine has no tokenizer, serve token ids instead")
     return Tokenizer.from_file(str(path))
+
+
+def engine_token_bytes(engine_dir: str | Path, skip_special_tokens: bool = True) -> TokenBytes | None:
+    """`TokenBytes` of the engine's tokenizer, or None when the engine has no `tokenizer.json`."""
+    if not (Path(engine_dir) / TOKENIZER_FILE).is_file():
+        return None
+    return TokenBytes(load_tokenizer(engine_dir), skip_special_tokens)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -123,6 +131,35 @@ class TokenBytes:
         if self._table is None:
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens).encode()
         return b"".join(self._table[i] for i in ids)
+
+    def whole_character_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` (which start at a character boundary) end at one: the longest
+        prefix whose bytes leave no character incomplete. The rest waits for the tokens that complete its
+        character; bytes that can never become valid UTF-8 do not wait (they decode to U+FFFD either way).
+        Splitting there keeps `decode(a) + decode(b)` equal to `decode(a + b)` for a replacing UTF-8 decoder."""
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        whole = 0
+        for n, token in enumerate(token_ids, start=1):
+            utf8.decode(self.decode([token]))
+            if not utf8.getstate()[0]:  # nothing buffered: a character boundary
+                whole = n
+        return whole
+
+
+class TextDecoder:
+    """Token ids -> text in whole characters, across chunks (holds back an incomplete UTF-8 tail)."""
+
+    def __init__(self, token_bytes: TokenBytes) -> None:
+        self._token_bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: list[int] | np.ndarray) -> str:
+        """Text completed by these tokens (may be empty)."""
+        return self._utf8.decode(self._token_bytes.decode(token_ids))
+
+    def flush(self) -> str:
+        """Whatever is held back (a truncated character becomes U+FFFD)."""
+        return self._utf8.decode(b"", final=True)
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -1,5 +1,10 @@
 """Glue between the engine and a drafter: context rows in the draft ring, proposals, load-aware verification length.
 
+The drafter directory may hold this project's own DFlash2-style / DSpark-style drafter or a published one (z-lab
+DFlash, DFlash2, DeepSpec's Qwen3 DSpark, DeepSeek-V4's DSpark; ``dhisparse.spec.published``); the engine sees
+one interface either way. Published drafters that run on the target's embedding and LM head need
+``target_model`` (any runtime model exposing ``embed``, ``lm_head`` and ``dtype``).
+
 Greedy requests get the drafter's argmax tokens. Sampled requests draw each draft token from the drafter's own
 distribution at the request's temperature, ``q_i = softmax(logits_i / T)`` (DSpark: token ``i`` feeds its Markov
 head for token ``i + 1``), with the engine's counter-based uniforms, and that ``q`` goes to ``rejection_accept``.
@@ -14,8 +19,11 @@ import torch
 from dhisparse.errors import ConfigError
 from dhisparse.host_values import to_device
 from dhisparse.model.config import ModelConfig
-from dhisparse.sampling.sampler import sample_from, uniform
+from dhisparse.model.deepseek_v4.config import DeepseekV4Config
+from dhisparse.sampling.sampler import uniform
 from dhisparse.spec.drafters import DFlash2Drafter, DSparkDrafter, confident_prefix_length, load_drafter
+from dhisparse.spec.proposal_law import choose
+from dhisparse.spec.published import PUBLISHED, PublishedSpeculation, family_of, load_published, read_drafter_config
 from dhisparse.spec.ring import DraftRing
 
 
@@ -25,16 +33,22 @@ class Speculator:
         drafter_dir: Path,
         gamma: int,
         max_slots: int,
-        target: ModelConfig,
+        target: ModelConfig | DeepseekV4Config,
         device: torch.device,
         *,
-        min_confidence: float = 0.0,
-        busy_confidence: float = 0.3,
-        busy_batch: int = 8,
+        target_model: object | None = None,
+        max_context: int = 0,
     ) -> None:
+        """``max_context`` (0: the target's ``max_position_embeddings``) bounds the ring of a published drafter
+        that attends to the whole history."""
         if not drafter_dir.is_dir():
             raise ConfigError(f"speculative decoding needs a drafter at {drafter_dir}; pack one with "
                               f"`dhisparse-build … --drafter DIR`")
+        self.published: PublishedSpeculation | None = None
+        _, fmt = read_drafter_config(drafter_dir)
+        if fmt in PUBLISHED:
+            self._init_published(drafter_dir, fmt, gamma, max_slots, target, device, target_model, max_context)
+            return
         self.drafter = load_drafter(drafter_dir, device=device)
         cfg = self.drafter.config
         self.kind = self.drafter.drafter_type
@@ -48,12 +62,24 @@ class Speculator:
             raise ConfigError(f"num_draft_tokens must be in 1..{cfg.max_block} for this drafter, got {gamma}")
         self.gamma, self.device = gamma, device
         self.layers = tuple(cfg.target_layer_ids)
-        self.min_confidence, self.busy_confidence, self.busy_batch = min_confidence, busy_confidence, busy_batch
         if isinstance(self.drafter, DFlash2Drafter):
             row_values = cfg.ring_row_values
         else:
             row_values = cfg.feature_size
         self.ring = DraftRing(max_slots, self.drafter.window, row_values, torch.float32, device)
+
+    def _init_published(self, drafter_dir: Path, fmt: str, gamma: int, max_slots: int, target: ModelConfig,
+                        device: torch.device, target_model: object | None, max_context: int) -> None:
+        dtype = getattr(target_model, "dtype", torch.float32)
+        drafter = load_published(drafter_dir, target, embed=getattr(target_model, "embed", None),
+                                 lm_head=getattr(target_model, "lm_head", None), dtype=dtype, device=device)
+        if not 1 <= gamma <= drafter.max_gamma:
+            raise ConfigError(f"num_draft_tokens must be in 1..{drafter.max_gamma} for this {fmt} drafter, got {gamma}")
+        self.drafter, self.kind, self.gamma, self.device = drafter, family_of(fmt), gamma, device
+        self.layers = tuple(drafter.target_layer_ids)
+        self.published = PublishedSpeculation(drafter, gamma, max_slots, max_context or target.max_position_embeddings,
+                                              dtype, device)
+        self.ring = self.published.ring
 
     # ------------------------------------------------------------------------------------------ features
     def features(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -69,6 +95,8 @@ class Speculator:
 
     def start(self, prompt_features: torch.Tensor) -> int:
         """Allocate a ring for a new request and fill it with its prompt's last ``window`` positions."""
+        if self.published is not None:
+            return self.published.start(prompt_features)
         slot = self.ring.allocate()
         tail = prompt_features[-self.ring.window:].unsqueeze(0)
         self.ring.append(to_device([slot], torch.int64, self.device), self._context_rows(tail),
@@ -80,6 +108,9 @@ class Speculator:
 
     def advance(self, slots: torch.Tensor, features: torch.Tensor, kept: torch.Tensor) -> None:
         """Append the first ``kept[b]`` verified positions' rows (``features [B, Q, F]``) to the rings."""
+        if self.published is not None:
+            self.published.advance(slots, features, kept)
+            return
         self.ring.append(slots, self._context_rows(features), kept)
 
     # ------------------------------------------------------------------------------------------ propose
@@ -87,7 +118,7 @@ class Speculator:
         self,
         slots: torch.Tensor,
         last_tokens: torch.Tensor,
-        batch_size: int,
+        threshold: float,
         temperature: torch.Tensor,
         seeds: torch.Tensor,
         counters: torch.Tensor,
@@ -96,8 +127,11 @@ class Speculator:
 
         ``temperature [B]`` (0 = greedy: ``q`` is the point mass of the argmax), ``seeds``/``counters [B]`` key the
         uniforms (stream 3). ``lengths`` is how many drafts each request verifies: ``gamma`` for DFlash2; for DSpark
-        the confident prefix under a threshold that rises to ``busy_confidence`` when ``batch_size >= busy_batch``
-        (load-aware shortening)."""
+        the prefix whose confidence stays at or above ``threshold`` (the scheduler's load-aware choice,
+        ``Scheduler.verification_threshold``); a published DSpark drafter cuts at ``threshold`` by its own rule
+        (``proposal_law.confident_length``)."""
+        if self.published is not None:
+            return self.published.propose(slots, last_tokens, threshold, temperature, seeds, counters)
         context, mask = self.ring.context(slots)
         b = slots.shape[0]
         steps = counters.unsqueeze(1) + torch.arange(self.gamma, device=self.device)
@@ -108,14 +142,14 @@ class Speculator:
                 cfg = self.drafter.config
                 kv = context.view(b, self.ring.window, cfg.num_layers, 2, cfg.hidden_size)
                 logits = self.drafter.block_logits(kv, last_tokens, self.gamma, mask)  # [B, gamma, V]
-                draft, q = _choose(logits, temperature.unsqueeze(1), u)
+                draft, q = choose(logits, temperature.unsqueeze(1), u)
             else:
                 assert isinstance(self.drafter, DSparkDrafter)
                 h, base = self.drafter.backbone(context[:, -1], last_tokens, self.gamma)
                 previous, tokens, dists, step_logits = last_tokens, [], [], []
                 for i in range(self.gamma):  # sequential only through the rank-r Markov head; batched over B
                     logits_i = base[:, i] + self.drafter.markov_logits(h[:, i:i + 1], previous[:, None])[:, 0]
-                    previous, q_i = _choose(logits_i, temperature, u[:, i])
+                    previous, q_i = choose(logits_i, temperature, u[:, i])
                     tokens.append(previous)
                     dists.append(q_i)
                     step_logits.append(logits_i)
@@ -124,8 +158,6 @@ class Speculator:
         if confidence is None:
             lengths = torch.full((b,), self.gamma, dtype=torch.int64, device=self.device)
         else:
-            busy = batch_size >= self.busy_batch
-            threshold = max(self.min_confidence, self.busy_confidence if busy else 0.0)
             lengths = confident_prefix_length(confidence, threshold)
         return draft, q, lengths, confidence
 
@@ -133,17 +165,3 @@ class Speculator:
     def ring_bytes_per_request(self) -> int:
         return self.ring.bytes_per_request
 
-
-def _choose(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft tokens and their proposal law from ``logits [..., V]``: argmax and its point mass where
-    ``temperature == 0``, else a draw from ``softmax(logits / T)`` by inverse CDF with ``u [...]``."""
-    logits = logits.to(torch.float64)
-    greedy = temperature <= 0
-    safe_t = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float64)
-    soft = torch.softmax(logits / safe_t.unsqueeze(-1), dim=-1)
-    best = logits.argmax(dim=-1)
-    point = torch.zeros_like(soft).scatter_(-1, best.unsqueeze(-1), 1.0)
-    q = torch.where(greedy.unsqueeze(-1), point, soft)
-    flat_q = q.reshape(-1, q.shape[-1])
-    drawn = sample_from(flat_q, u.reshape(-1)).view(best.shape)
-    return torch.where(greedy, best, drawn), q

@@ -20,12 +20,14 @@ class TritonPythonModel:
             sys.path.insert(0, parameters["python_path"])
         from dhisparse.serving import tokenization
         from dhisparse.serving.bls import BLSService
+        from dhisparse.serving.server_settings import ServerSettings
 
         tokenizer = tokenization.load_tokenizer(parameters["tokenizer_dir"])
         skip = parameters.get("skip_special_tokens", "true").lower() == "true"
         add = parameters.get("add_special_tokens", "true").lower() == "true"
+        settings = ServerSettings.from_parameters(parameters)  # limits, the key that signs its cancel requests
         self.service = BLSService(pb_utils, tokenizer, tokenization.TokenBytes(tokenizer, skip),
-                                  add_special_tokens=add)
+                                  add_special_tokens=add, limits=settings.limits, auth=settings.auth)
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -20,11 +20,13 @@ class TritonPythonModel:
             sys.path.insert(0, parameters["python_path"])
         from dhisparse.disagg.context_client import LocalContext, RemoteContext
         from dhisparse.disagg.triton_bls import DisaggregatedBLS
+        from dhisparse.serving.server_settings import ServerSettings
 
+        settings = ServerSettings.from_parameters(parameters)  # its key signs every request to context / generation
         # context_url (HOST:PORT, gRPC): `context` runs on another server (dhisparse-serve --role context)
         url = parameters.get("context_url", "")
-        context = RemoteContext(url) if url else LocalContext(pb_utils)
-        self.service = DisaggregatedBLS(pb_utils, context)
+        context = RemoteContext(url, auth=settings.auth) if url else LocalContext(pb_utils, auth=settings.auth)
+        self.service = DisaggregatedBLS(pb_utils, context, auth=settings.auth, limits=settings.limits)
 
     def execute(self, requests: list) -> None:
         for request in requests:

@@ -15,8 +15,10 @@ class TritonPythonModel:
         if parameters.get("python_path"):  # the launcher pins the dhisparse package it was started from
             sys.path.insert(0, parameters["python_path"])
         from dhisparse.serving import text_processing, tokenization, triton_tensors
+        from dhisparse.serving.server_settings import ServerSettings
 
         self.text, self.tensors = text_processing, triton_tensors
+        self.limits = ServerSettings.from_parameters(parameters).limits
         skip = parameters.get("skip_special_tokens", "true").lower() == "true"
         self.token_bytes = tokenization.TokenBytes(tokenization.load_tokenizer(parameters["tokenizer_dir"]), skip)
 
@@ -25,6 +27,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 inputs = self.tensors.request_arrays(pb_utils, request, self.text.POSTPROCESSING_INPUTS)
+                self.limits.check_request_bytes(inputs)  # a client may call postprocessing directly
                 responses.append(self.tensors.response(pb_utils, self.text.postprocess(self.token_bytes, inputs)))
             except Exception as error:  # bad input or anything else: an error response, never silence
                 responses.append(self.tensors.error_response(pb_utils, error))

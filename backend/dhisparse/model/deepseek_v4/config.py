@@ -29,7 +29,7 @@ _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 
 @dataclass(frozen=True)
 class RopeView:
-    """The fields ``dhisparse.model.rope.inverse_frequencies`` reads, for one of V4's two RoPE sets."""
+    """The fields ``dhisparse.model.layers.inverse_frequencies`` reads, for one of V4's two RoPE sets."""
 
     rope_parameters: dict[str, Any]
     qk_rope_head_dim: int

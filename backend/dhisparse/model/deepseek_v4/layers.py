@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config, RopeView
-from dhisparse.model.rope import inverse_frequencies
+from dhisparse.model.layers import inverse_frequencies
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

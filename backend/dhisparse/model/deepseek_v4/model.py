@@ -19,6 +19,7 @@ from dhisparse.model.deepseek_v4.config import DeepseekV4Config
 from dhisparse.model.deepseek_v4.kv_state import V4RequestKV, V4StepKV
 from dhisparse.model.deepseek_v4.layers import HyperConnection, Rotary, V4MoE, hyper_head, hyper_merge, rms_norm
 from dhisparse.model.deepseek_v4.weights import load_state_dict
+from dhisparse.model.weights import read_raw_config
 
 
 @dataclass
@@ -72,12 +73,11 @@ class DeepseekV4Model:
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
                         ) -> DeepseekV4Model:
-        from dhisparse.model.loading import read_any_config
-
         path = Path(path)
-        cfg = read_any_config(path)
-        if not isinstance(cfg, DeepseekV4Config):
+        raw = read_raw_config(path)
+        if raw.get("model_type") != "deepseek_v4":
             raise TypeError(f"{path} is not a deepseek_v4 checkpoint")
+        cfg = DeepseekV4Config.from_hf_dict(raw)
         return cls(cfg, load_state_dict(path, cfg, dtype), dtype, torch.device(device))
 
     def new_state(self, capacity: int) -> V4RequestKV:

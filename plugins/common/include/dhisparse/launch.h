@@ -10,6 +10,7 @@
 // are the same under every x86_64 / aarch64 ABI.
 #pragma once
 
+#include "dhisparse/block_resolver.h"
 #include "dhisparse/copy_grid.h"
 #include "dhisparse/mla_row.h"
 
@@ -31,12 +32,16 @@ enum PlanStatus : int32_t
     kPlanBadPointer = -4,     //!< a required pointer is null
 };
 
-constexpr int32_t kResolverThreads = 256;
+constexpr int32_t kResolverThreads = 512;
+//! A resolver row's scratch lives in shared memory up to this size (every sm_80..sm_90 part opts in to 99 KB
+//! per block); larger rows take a global-memory workspace of the same layout.
+constexpr int64_t kResolverMaxSharedBytes = 96 * 1024;
 constexpr int32_t kMlaWarps = 4;
 constexpr int32_t kMlaThreads = 32 * kMlaWarps;
 
 //! Arguments of the batched resolver: R = num_sources rows (request x source), N selection entries, M pages,
-//! B hot rows; index arrays are int32 or int64 (`index_bytes`). Contract: dhisparse/resolver.h.
+//! B hot rows; index arrays are int32 or int64 (`index_bytes`). Contract: dhisparse/resolver.h; one thread block
+//! per row runs dhisparse/block_resolver.h.
 //! hot_pos_out / hot_stamp_out may alias the inputs (in-place update).
 struct ResolverArgs
 {
@@ -62,6 +67,56 @@ struct ResolverArgs
     void* copy_location;       //!< [R, N] out, -1 padded
     int32_t* summary;          //!< [R, 6] out (dhisparse::SummaryColumn)
 };
+
+//! One KV step's resolution of an index group (G sources selected by the same positions) for the whole batch in
+//! one launch: the contract of dhs_resolve_step_i64 (cpu/include/dhisparse/c_api.h) plus verification staging,
+//! one thread block per (source, request) running dhisparse/block_resolver.h. All indices int64; strided tensors
+//! have a contiguous last dimension. Per-step values (stamp, sources, slots) are read from device memory, so a
+//! captured CUDA graph replays the launch with the next step's values.
+struct StepResolveArgs
+{
+    int64_t batch;           //!< B requests
+    int64_t n;               //!< N entries per request (all verification queries concatenated)
+    int64_t groups;          //!< G sources of the group
+    int64_t hot_rows;        //!< H slots per (request, source)
+    int64_t page_rows;       //!< P
+    int64_t num_pages;       //!< M pages of the page-table snapshot
+    int64_t host_num_pages;  //!< last dimension of host_pages
+    int64_t num_sources;     //!< S (every sources[g] must be below it)
+    int64_t num_slots;       //!< rows of the hot state / host_pages (every slots[b] must be below it)
+    int64_t staging_rows;    //!< T staging rows per (slot, staging slot); 0: none
+    int64_t staging_count;   //!< staging slots per batch-state slot (every staging_slots[g] must be below it)
+    int64_t table_row_stride;
+    int64_t table_source_stride;   //!< of page_table [B, S, M]
+    int64_t hot_slot_stride;
+    int64_t hot_source_stride;     //!< of hot_pos / hot_stamp / hot_loc [slots, S, H]
+    int64_t host_slot_stride;
+    int64_t host_source_stride;    //!< of host_pages [slots, S, M']
+    int64_t staging_slot_stride;
+    int64_t staging_group_stride;  //!< of staging_loc [slots, staging slots, T]
+    void const* stamp;             //!< int64 [1]: this step's stamp
+    int64_t const* positions;      //!< [B, N], negative = unused
+    int64_t const* lengths;        //!< [B] history length of each request (null: not checked)
+    int64_t const* sources;        //!< [G]
+    int64_t const* slots;          //!< [B]
+    int64_t const* page_table;     //!< [B, S, M]
+    int64_t* hot_pos;              //!< [slots, S, H] in/out
+    int64_t* hot_stamp;            //!< [slots, S, H] in/out
+    int64_t const* hot_loc;        //!< [slots, S, H]
+    int64_t const* host_pages;     //!< [slots, S, M'] host page ids (-1: none), or null (no host store)
+    int64_t const* staging_slots;  //!< [G] staging slot of each group member (read when T > 0)
+    int64_t const* staging_loc;    //!< [slots, staging slots, T] arena rows of verification staging, or null
+    int64_t* locations;            //!< [G, B, N] out: arena row of each entry, -1 where unused
+    int8_t* steps;                 //!< [G, B, N] out (null: not written): 0 unused, 1 direct, 2 hot, 3 host
+    int64_t* fetch_src;            //!< [G, B, N] out: host row of each copy, each request's copies first, -1 after
+    int64_t* fetch_dst;            //!< [G, B, N] out: arena row each copy goes to (-1 after)
+    int64_t* counts;               //!< [B, 3] in/out: direct / hot / host rows added per request
+    int64_t* staged;               //!< [B] in/out: rows copied into staging (null: not counted)
+    int32_t* flags;                //!< [1] in/out: |= DHS_STEP_* bits (RowFlag, plus kStepBadArgument)
+};
+
+//! Flag of a (source, request) block whose source, slot or staging slot is out of range (nothing resolved).
+constexpr int32_t kStepBadArgument = 16;
 
 //! Gather copy of rows from pinned host memory (a device-accessible address: UVA / mapped) into device rows.
 //!   src_rows [R, M] host row of each copy, dst_rows [R, M] device row; entries with src < 0 are skipped.
@@ -129,12 +184,10 @@ inline int64_t plan_next_pow2(int64_t n)
     return p;
 }
 
-//! Workspace bytes of one resolver row (request x source): sort keys, victims, hot index, classes, ranks.
+//! Scratch bytes of one resolver row (request x source): dhisparse::block_scratch_bytes.
 inline int64_t resolver_row_scratch_bytes(int64_t n_select, int64_t hot_rows)
 {
-    int64_t const n2 = plan_next_pow2(n_select > 0 ? n_select : 1);
-    int64_t const b2 = plan_next_pow2(hot_rows > 0 ? hot_rows : 1);
-    return n2 * (8 + 8 + 4 + 4) + b2 * 16 + ((hot_rows * 4 + 7) & ~int64_t{7});
+    return block_scratch_bytes(n_select, hot_rows);
 }
 
 inline bool valid_index_bytes(int32_t index_bytes)
@@ -142,12 +195,27 @@ inline bool valid_index_bytes(int32_t index_bytes)
     return index_bytes == 4 || index_bytes == 8;
 }
 
-//! One block of kResolverThreads per (request, source) row; workspace = R * resolver_row_scratch_bytes.
+//! The scratch of rows of N entries and B slots: in shared memory (shared_bytes) when it fits
+//! kResolverMaxSharedBytes, else `rows` slices of a global workspace (workspace_bytes).
+inline void plan_resolver_scratch(LaunchPlan& p, int64_t rows, int64_t n, int64_t hot_rows)
+{
+    int64_t const bytes = resolver_row_scratch_bytes(n, hot_rows);
+    if (bytes <= kResolverMaxSharedBytes)
+    {
+        p.shared_bytes = bytes;
+    }
+    else
+    {
+        p.workspace_bytes = rows * bytes;
+    }
+}
+
+//! One block of kResolverThreads per (request, source) row; scratch per plan_resolver_scratch.
 inline LaunchPlan plan_resolver(ResolverArgs const& a)
 {
     LaunchPlan p{kPlanOk, 0, 1, kResolverThreads, 0, 0, 0, 0};
     if (a.num_sources < 0 || a.n_select < 0 || a.num_pages < 0 || a.page_rows <= 0 || a.hot_rows < 0
-        || a.hot_rows >= (int64_t{1} << 24) || a.num_sources > INT32_MAX)
+        || a.hot_rows >= (int64_t{1} << 24) || a.num_sources > INT32_MAX || a.n_select > INT32_MAX)
     {
         p.status = kPlanBadSize;
         return p;
@@ -157,19 +225,52 @@ inline LaunchPlan plan_resolver(ResolverArgs const& a)
         p.status = kPlanBadIndexBytes;
         return p;
     }
-    p.workspace_bytes = a.num_sources * resolver_row_scratch_bytes(a.n_select, a.hot_rows);
+    plan_resolver_scratch(p, a.num_sources, a.n_select, a.hot_rows);
     if (a.num_sources == 0)
     {
         p.status = kPlanEmpty;
         return p;
     }
     if (a.stamp == nullptr || a.positions == nullptr || a.hot_pos_in == nullptr || a.locations == nullptr
-        || a.steps == nullptr || a.summary == nullptr || (a.num_pages > 0 && a.page_table == nullptr))
+        || a.steps == nullptr || a.summary == nullptr || (a.num_pages > 0 && a.page_table == nullptr)
+        || (a.hot_rows > 0 && (a.hot_stamp_in == nullptr || a.hot_loc == nullptr || a.hot_pos_out == nullptr
+                                  || a.hot_stamp_out == nullptr))
+        || a.copy_position == nullptr || a.copy_slot == nullptr || a.copy_location == nullptr)
     {
         p.status = kPlanBadPointer;
         return p;
     }
     p.grid_x = static_cast<int32_t>(a.num_sources);
+    return p;
+}
+
+//! One block of kResolverThreads per (source, request): grid G * B (source major); scratch per
+//! plan_resolver_scratch.
+inline LaunchPlan plan_step_resolver(StepResolveArgs const& a)
+{
+    LaunchPlan p{kPlanOk, 0, 1, kResolverThreads, 0, 0, 0, 0};
+    if (a.batch < 0 || a.n < 0 || a.groups < 0 || a.hot_rows < 0 || a.hot_rows >= (int64_t{1} << 24)
+        || a.page_rows <= 0 || a.num_pages < 0 || a.host_num_pages < 0 || a.num_sources < 0 || a.num_slots < 0
+        || a.staging_rows < 0 || a.staging_count < 0 || a.n > INT32_MAX || a.batch * a.groups > INT32_MAX)
+    {
+        p.status = kPlanBadSize;
+        return p;
+    }
+    plan_resolver_scratch(p, a.batch * a.groups, a.n, a.hot_rows);
+    if (a.batch * a.groups == 0)
+    {
+        p.status = kPlanEmpty;
+        return p;
+    }
+    if (a.stamp == nullptr || a.positions == nullptr || a.sources == nullptr || a.slots == nullptr
+        || (a.num_pages > 0 && a.page_table == nullptr) || a.hot_pos == nullptr || a.hot_stamp == nullptr
+        || a.hot_loc == nullptr || a.locations == nullptr || a.fetch_src == nullptr || a.fetch_dst == nullptr
+        || a.counts == nullptr || a.flags == nullptr || (a.staging_rows > 0 && (a.staging_loc == nullptr || a.staging_slots == nullptr)))
+    {
+        p.status = kPlanBadPointer;
+        return p;
+    }
+    p.grid_x = static_cast<int32_t>(a.batch * a.groups);
     return p;
 }
 
@@ -252,6 +353,7 @@ enum LaunchKind : int32_t
     kLaunchResolver = 0,
     kLaunchRowCopy = 1,
     kLaunchSparseMla = 2,
+    kLaunchStepResolver = 4,  //!< 3 is LaunchPlan itself in the layout queries of the C ABIs
 };
 
 //! plan_* of the struct of `kind` at `args` (copied out first: `args` need not be aligned). Unknown kind:
@@ -278,6 +380,12 @@ inline LaunchPlan plan_of_kind(int32_t kind, void const* args)
         std::memcpy(&a, args, sizeof a);
         return plan_sparse_mla(a);
     }
+    case kLaunchStepResolver:
+    {
+        StepResolveArgs a;
+        std::memcpy(&a, args, sizeof a);
+        return plan_step_resolver(a);
+    }
     default: return LaunchPlan{kPlanBadSize, 0, 0, 0, 0, 0, 0, 0};
     }
 }
@@ -285,6 +393,7 @@ inline LaunchPlan plan_of_kind(int32_t kind, void const* args)
 static_assert(sizeof(ResolverArgs) == 20 * 8, "ResolverArgs layout is part of the C ABI");
 static_assert(sizeof(RowCopyArgs) == 9 * 8, "RowCopyArgs layout is part of the C ABI");
 static_assert(sizeof(SparseMlaArgs) == 12 * 8, "SparseMlaArgs layout is part of the C ABI");
+static_assert(sizeof(StepResolveArgs) == 38 * 8, "StepResolveArgs layout is part of the C ABI");
 static_assert(sizeof(LaunchPlan) == 5 * 8, "LaunchPlan layout is part of the C ABI");
 
 } // namespace dhisparse

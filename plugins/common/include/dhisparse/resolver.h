@@ -14,8 +14,11 @@
 //   * Step 3, host copy: misses, ascending, take victim slots in eviction order: the slots not hit in step 2
 //     (a slot the step needs is never evicted), empty slots (hot_pos < 0, stamp ignored) first, then by
 //     ascending hot_stamp, ties by ascending slot index. Miss k takes victim k: hot_pos = p, hot_stamp =
-//     stamp, location hot_loc[slot], copy-list entry (p, slot, hot_loc[slot]). More misses than candidate
-//     slots is kHotCacheTooSmall and the state is left untouched.
+//     stamp, location hot_loc[slot], copy-list entry (p, slot, hot_loc[slot]).
+//   * Step 4, verification staging (overflow): with E candidate slots and T staging rows, misses m_E, m_E+1, ...
+//     (the largest positions) do not enter the hot cache: miss m_{E+j} is at staging_loc[j], copy-list entry
+//     (p, -1, staging_loc[j]); slots are not changed for them. More misses than E + T is kHotCacheTooSmall and the
+//     state is left untouched.
 //   * Every entry equal to p gets p's location and step code (0 unused, 1 direct, 2 hot, 3 host); unused
 //     entries get location -1. Counts are over union positions: [direct, hot, host].
 // Limits of this port: positions and stamps in [0, 2^39), B < 2^24 (packed into sortable 64-bit keys).
@@ -67,6 +70,8 @@ struct SourceView
     Idx* hot_stamp;          //!< [hot_rows] stamp of each slot's last use (ignored for empty slots)
     Idx const* hot_loc;      //!< [hot_rows] arena row of each slot
     int64_t hot_rows;        //!< B
+    Idx const* staging_loc = nullptr;  //!< [staging_rows] arena rows of verification staging (step 4)
+    int64_t staging_rows = 0;          //!< T (0: no staging; misses past the evictable slots overflow)
 };
 
 //! View of row r of the batch layout: page_table [R, M], hot_pos / hot_stamp / hot_loc [R, B].
@@ -234,7 +239,8 @@ DHS_HD int32_t resolve_source(SourceView<Idx> const& v, Idx const* selection, in
     out.summary[kSummaryNumUnion] = static_cast<int32_t>(u);
     out.summary[kSummaryDirect] = counts[0];
     out.summary[kSummaryHot] = counts[1];
-    if (misses > candidates)
+    int64_t const staging = v.staging_loc != nullptr ? v.staging_rows : 0;
+    if (misses > candidates + staging)
     {
         out.summary[kSummaryStatus] = kHotCacheTooSmall;
         return kHotCacheTooSmall;
@@ -254,14 +260,25 @@ DHS_HD int32_t resolve_source(SourceView<Idx> const& v, Idx const* selection, in
         {
             continue;
         }
-        int64_t const slot = victim_slot(scratch.victim_keys[copies]);
         Idx const pos = scratch.union_positions[i];
-        v.hot_pos[slot] = pos;
-        v.hot_stamp[slot] = v.stamp;
-        scratch.union_locations[i] = v.hot_loc[slot];
+        Idx loc;
+        Idx slot_out = -1;
+        if (copies < candidates)
+        {
+            int64_t const slot = victim_slot(scratch.victim_keys[copies]);
+            v.hot_pos[slot] = pos;
+            v.hot_stamp[slot] = v.stamp;
+            loc = v.hot_loc[slot];
+            slot_out = static_cast<Idx>(slot);
+        }
+        else  // step 4: past the evictable slots, into verification staging (the hot cache is not changed)
+        {
+            loc = v.staging_loc[copies - candidates];
+        }
+        scratch.union_locations[i] = loc;
         out.copy_position[copies] = pos;
-        out.copy_slot[copies] = static_cast<Idx>(slot);
-        out.copy_location[copies] = v.hot_loc[slot];
+        out.copy_slot[copies] = slot_out;
+        out.copy_location[copies] = loc;
         ++copies;
     }
     out.summary[kSummaryNumCopies] = static_cast<int32_t>(copies);

@@ -8,7 +8,7 @@ extern "C" {
 #endif
 
 //! Bumped whenever a signature or a layout below changes.
-#define DHS_CPU_ABI_VERSION 3
+#define DHS_CPU_ABI_VERSION 5
 
 //! Columns of `summary` rows (dhisparse::SummaryColumn).
 #define DHS_SUMMARY_STATUS 0
@@ -81,6 +81,12 @@ typedef struct DhsStepArgs
     int64_t* fetch_dst;         //!< [G, B * N] out: arena rows they go to
     int64_t* fetch_count;       //!< [G] out: copies of each source
     int64_t* counts;            //!< [B, 3] in/out: direct / hot / host rows added per request
+    int64_t staging_rows;       //!< T verification staging rows per (slot, staging slot); 0: no staging
+    int64_t staging_count;      //!< staging slots per batch-state slot (every staging_slots[g] must be below it)
+    int64_t staging_slot_stride, staging_group_stride;  //!< of staging_loc (rows: slots)
+    int64_t const* staging_slots;  //!< [G] staging slot of each group member (ignored when T is 0)
+    int64_t const* staging_loc;    //!< [slots, staging slots, T] arena rows of verification staging, or NULL
+    int64_t* staged;               //!< [B] in/out: rows copied into staging added per request (NULL when T is 0)
 } DhsStepArgs;
 
 //! Flags returned by dhs_resolve_step_i64 (or -1 for bad sizes, a source or a slot out of range).
@@ -131,6 +137,7 @@ int32_t dhs_copy_grid_blocks(int64_t batch);
 #define DHS_LAUNCH_ROW_COPY 1
 #define DHS_LAUNCH_SPARSE_MLA 2
 #define DHS_LAUNCH_PLAN 3
+#define DHS_LAUNCH_STEP_RESOLVER 4
 
 //! Writes sizeof(struct) then the offset of every named field (declaration order) into out[0..cap); returns
 //! how many values there are (-1: unknown kind).
@@ -138,8 +145,12 @@ int32_t dhs_launch_layout(int32_t kind, int64_t* out, int32_t cap);
 //! Reads the struct at `args` as the C++ launcher does and writes every named field as int64 (pointers as
 //! addresses, softmax_scale as its float bits); returns how many values there are.
 int32_t dhs_launch_fields(int32_t kind, void const* args, int64_t* out, int32_t cap);
-//! The launch plan (dhisparse::LaunchPlan, 32 bytes) of the struct at `args`; returns plan.status.
+//! The launch plan (dhisparse::LaunchPlan, 40 bytes) of the struct at `args`; returns plan.status.
 int32_t dhs_launch_plan(int32_t kind, void const* args, void* plan);
+//! Runs the CUDA kernel of a resolver launch (DHS_LAUNCH_RESOLVER or DHS_LAUNCH_STEP_RESOLVER) on the CPU: every
+//! block of the plan's grid in turn with one thread (dhisparse::SerialBlock), over host memory at the struct's
+//! pointers. Returns the plan's status (0 also for an empty launch).
+int32_t dhs_emulate_launch(int32_t kind, void const* args);
 
 #ifdef __cplusplus
 }

@@ -19,12 +19,18 @@ namespace cuda
 using dhisparse::ResolverArgs;
 using dhisparse::RowCopyArgs;
 using dhisparse::SparseMlaArgs;
+using dhisparse::StepResolveArgs;
 
-//! Device scratch the resolver needs (bytes), for `workspace` of launch_resolver.
+//! Device scratch the resolver needs (bytes), for `workspace` of launch_resolver (0 when the rows' scratch fits in
+//! shared memory, as at N = 2048, B = 4096).
 size_t resolver_workspace_bytes(int64_t num_sources, int64_t n_select, int64_t hot_rows, int32_t index_bytes);
 
 //! One thread block per (request, source); same results as the CPU library, bit for bit.
 cudaError_t launch_resolver(ResolverArgs const& args, void* workspace, cudaStream_t stream);
+
+//! One KV step's index group for the whole batch in one launch (grid G * B, plan_step_resolver); `workspace`
+//! as plan.workspace_bytes says (null when the scratch fits in shared memory).
+cudaError_t launch_step_resolver(StepResolveArgs const& args, void* workspace, cudaStream_t stream);
 
 //! Gather copy (grid plan_row_copy: copy_grid_blocks(R) blocks of kCopyThreads); contract in launch.h.
 cudaError_t launch_row_copy(RowCopyArgs const& args, cudaStream_t stream);

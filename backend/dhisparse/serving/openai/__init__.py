@@ -1,0 +1,1 @@
+"""OpenAI-compatible API over the Triton deployment (`dhisparse-serve --openai-port N`); see docs/openai.md."""
