@@ -316,18 +316,26 @@ MISSING = [  # (server: 0 generation / 1 context, model, inputs, what the error 
 
 
 @pytest.mark.parametrize(("server", "model", "values", "message"), MISSING, ids=[f"{m[1]}-{m[3]}" for m in MISSING])
-def test_missing_required_input_on_a_stream_is_named(deployment, server, model, values, message):
-    """Over a gRPC stream with a request id (what Triton 2.51 answered with silence for the ensemble)."""
+def test_missing_required_input_on_a_stream_is_named(deployment, key_file, server, model, values, message):
+    """Over a gRPC stream with a request id (what Triton 2.51 answered with silence for the ensemble). The internal
+    models (`context`, `generation`) are called as their orchestrator calls them, with a valid token, so the check
+    reaches the inputs (without one they refuse first: tests/serving/test_security_disagg.py)."""
     import numpy as np
     import tritonclient.grpc as grpcclient
 
+    from dhisparse.serving.internal_auth import AUTH_INPUT, CONTEXT, GENERATION, InternalAuth, request_subject
+
     dtypes = {"input_ids": np.int32, "request_output_len": np.int32, "max_tokens": np.int32, "streaming": bool,
               "stream": bool, "temperature": np.float32, "text_input": object, "request_type": object}
+    arrays = {name: np.array(value, dtype=dtypes[name]) for name, value in values.items()}
+    if model in ("context", "generation"):
+        purpose = CONTEXT if model == "context" else GENERATION
+        token = InternalAuth.from_key_file(key_file).token(purpose, request_subject("missing-input", arrays))
+        arrays[AUTH_INPUT] = token.astype(object)
     inputs = []
-    for name, value in values.items():
-        array = np.array(value, dtype=dtypes[name])
+    for name, array in arrays.items():
         if array.dtype == object:
-            array = np.vectorize(lambda v: v.encode(), otypes=[object])(array)
+            array = np.vectorize(lambda v: v if isinstance(v, bytes) else v.encode(), otypes=[object])(array)
         tensor = grpcclient.InferInput(name, list(array.shape), {np.dtype(np.int32): "INT32", np.dtype(bool): "BOOL",
                                                                  np.dtype(np.float32): "FP32",
                                                                  np.dtype(object): "BYTES"}[array.dtype])
