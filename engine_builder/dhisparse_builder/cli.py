@@ -38,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--speculative", choices=["dflash", "dflash2", "dspark"], default=None,
                    help="drafter family served by default (packed with --drafter)")
     g.add_argument("--num-draft-tokens", type=int, default=None)
+    g.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="ranks splitting attention heads, the indexer and the MLPs (docs/parallel.md)")
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="data-parallel attention ranks, each with its own requests and KV")
+    g.add_argument("--expert-parallel", action="store_const", const=True, default=None,
+                   help="partition MoE experts across the ranks")
     return p.parse_args(argv)
 
 
@@ -45,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     runtime = {"dtype": args.dtype}
     for name in ("kv_policy", "pool_bytes", "hot_rows", "page_rows", "reserve_bytes", "max_batch_size",
-                 "max_model_len", "speculative", "num_draft_tokens"):
+                 "max_model_len", "speculative", "num_draft_tokens", "tensor_parallel_size", "data_parallel_size",
+                 "expert_parallel"):
         value = getattr(args, name)
         if value is not None:
             runtime[name] = value

@@ -49,6 +49,11 @@ class EngineConfig:
     dspark_busy_confidence: float = defaults.DSPARK_BUSY_CONFIDENCE  # … or this likely when the batch is busy
     fault_injection: str = defaults.FAULT_INJECTION  # drills and tests only: "site@n,…" (engine/faults.py); "" = off
     kernels: str = defaults.KERNELS  # auto | cuda | torch: CUDA kernels in the request path on a GPU (self-checked)
+    tensor_parallel_size: int = defaults.TENSOR_PARALLEL_SIZE  # heads, indexer, dense layers split (engine/parallel)
+    data_parallel_size: int = defaults.DATA_PARALLEL_SIZE  # data-parallel attention ranks (own requests and KV)
+    expert_parallel: bool = defaults.EXPERT_PARALLEL  # MoE experts partitioned across ranks
+    tp_split_indexer: bool = defaults.TP_SPLIT_INDEXER  # TP: indexer heads split (else replicated on every rank)
+    collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S  # every collective between ranks fails after this
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,16 +75,27 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE:
             raise ConfigError(f"speculative must be None, 'dflash', 'dflash2' or 'dspark', got {self.speculative!r}")
         for name in ("max_batch_size", "prefill_chunk_tokens", "max_prefill_tokens_per_step", "page_rows",
-                     "refill_pages_per_step", "num_draft_tokens"):
+                     "refill_pages_per_step", "num_draft_tokens", "tensor_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_new_tokens_limit", "pool_bytes", "hot_rows", "reserve_bytes", "host_bytes",
                      "dspark_busy_batch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.tensor_parallel_size > 1 and self.data_parallel_size > 1:
+            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} with data_parallel_size "
+                              f"{self.data_parallel_size}: attention split inside data-parallel groups is not "
+                              "supported; use one of them (both combine with expert_parallel)")
         for name in ("dspark_min_confidence", "dspark_busy_confidence"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, one device each) of one engine: ``tensor_parallel_size x data_parallel_size``."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

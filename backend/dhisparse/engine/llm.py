@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from dhisparse.engine.llm_engine import LLMEngine
-from dhisparse.engine.loading import load_engine_parts
+from dhisparse.engine.loading import load_engine_config, load_engine_parts
+from dhisparse.engine.parallel.driver import ParallelEngine
 from dhisparse.engine.request import RequestOutput, RequestUpdate
-from dhisparse.errors import RequestFailedError
+from dhisparse.errors import ConfigError, RequestFailedError
 from dhisparse.kv.store import KVStore
 from dhisparse.sampling.params import SamplingParams
 
@@ -20,11 +21,22 @@ class LLM:
     ``runtime_overrides`` replace fields of the engine's ``runtime.json`` (see ``EngineConfig``), e.g.
     ``kv_policy="hisparse"``, ``pool_bytes=…``, ``hot_rows=…``, ``page_rows=…``, ``reserve_bytes=…``.
     ``wrap_kv``: see :class:`LLMEngine` (an observer of the KV store, e.g. a trace recorder).
+
+    With ``tensor_parallel_size`` or ``data_parallel_size`` above 1 the engine runs on that many rank processes
+    (``engine/parallel/``, docs/parallel.md) behind the same API; ``close()`` (or the end of the process) stops them.
     """
 
     def __init__(self, engine_dir: str | Path, *, wrap_kv: Callable[[KVStore], KVStore] | None = None,
                  **runtime_overrides: Any) -> None:
         self.engine_dir = Path(engine_dir)
+        self.engine: LLMEngine | ParallelEngine
+        config = load_engine_config(self.engine_dir, **runtime_overrides)
+        if config.world_size > 1:
+            if wrap_kv is not None:
+                raise ConfigError("wrap_kv observes one process's KV store; it is not available with several ranks")
+            self.engine = ParallelEngine(self.engine_dir, config, runtime_overrides)
+            self.config = self.engine.cfg
+            return
         self.config, model, speculator = load_engine_parts(self.engine_dir, **runtime_overrides)
         self.engine = LLMEngine(model, self.config, speculator, wrap_kv=wrap_kv)
 
@@ -100,3 +112,8 @@ class LLM:
     def stats(self) -> dict[str, float]:
         """Engine-wide counters (requests, tokens, steps, and the KV hierarchy's statistics)."""
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Stop the engine's rank processes (several ranks; nothing to do on one)."""
+        if isinstance(self.engine, ParallelEngine):
+            self.engine.close()

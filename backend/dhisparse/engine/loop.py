@@ -128,6 +128,7 @@ class EngineLoop:
         # without touching the (single-threaded) engine.
         self._end_all(EngineDeadError("the engine loop was shut down before the request finished"),
                       touch_engine=not self._thread.is_alive())
+        self.llm.close()  # a multi-rank engine's processes stop with the loop that owns it
 
     # ------------------------------------------------------------------------------------ loop thread
     def _drain_inbox(self) -> None:
@@ -199,6 +200,8 @@ class EngineLoop:
                     self.engine.poll_idle()
                     with self._lock:
                         self._stats = self.engine.stats()
+                    if self.engine.dead is not None:  # a multi-rank engine notices a lost rank while idle
+                        raise EngineDeadError(self.engine.dead)
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dhisparse.model.collectives import LOCAL, Collectives
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import StepKV
 from dhisparse.model.layers import attention_softmax_scale, rms_norm
@@ -21,7 +22,13 @@ QUERY_TILE_TOKENS = 64  # queries scored / attended at once: a prefill chunk's w
 
 
 class IndexedMLA:
-    """One layer's attention; ``weights`` holds canonical tensor names (``model.layers.{i}.self_attn.…``)."""
+    """One layer's attention; ``weights`` holds canonical tensor names (``model.layers.{i}.self_attn.…``).
+
+    Under tensor parallelism the weights are this rank's slice (``engine/parallel/sharding.py``): the heads of
+    ``q_b``/``kv_b``/``o_proj`` and the indexer heads of ``wq_b``/``weights_proj``, their counts read from the
+    shapes; the latent row (``kv_a``) and the indexer key (``wk``) stay whole, so every rank writes the same rows.
+    ``collectives`` completes the partial output projection and indexer scores (:mod:`dhisparse.model.collectives`).
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int, weights: dict[str, torch.Tensor]) -> None:
         p = f"model.layers.{layer}.self_attn."
@@ -36,12 +43,14 @@ class IndexedMLA:
         self.kv_a_norm = weights[p + "kv_a_layernorm.weight"]
         self.o = weights[p + "o_proj.weight"]
         self.o_bias = weights.get(p + "o_proj.bias")
-        heads, nope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-        kv_b = weights[p + "kv_b_proj.weight"].view(heads, nope + v, cfg.kv_lora_rank)
+        nope, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.heads = self.q_b.shape[0] // self.qk_head_dim  # this rank's heads (all of them on one rank)
+        kv_b = weights[p + "kv_b_proj.weight"].view(self.heads, nope + v, cfg.kv_lora_rank)
         self.w_uk = kv_b[:, :nope, :].contiguous()  # [H, nope, rank]
         self.w_uv = kv_b[:, nope:, :].contiguous()  # [H, v, rank]
         self.scaling = attention_softmax_scale(cfg)
         self.has_indexer = cfg.indexer_types[layer] == "full"
+        self.collectives: Collectives = LOCAL
         if self.has_indexer:
             x = p + "indexer."
             self.idx_wq = weights[x + "wq_b.weight"]
@@ -70,7 +79,7 @@ class IndexedMLA:
         b, q_len, _ = x.shape
         rank = cfg.kv_lora_rank
         q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
-        q = F.linear(q_resid, self.q_b).view(b, q_len, cfg.num_attention_heads, self.qk_head_dim)
+        q = F.linear(q_resid, self.q_b).view(b, q_len, self.heads, self.qk_head_dim)
         q_nope, q_rot = torch.split(q, [cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         compressed = F.linear(x, self.kv_a, self.kv_a_bias)
         kv_pass, k_rot = torch.split(compressed, [rank, cfg.qk_rope_head_dim], dim=-1)
@@ -105,7 +114,9 @@ class IndexedMLA:
                 out_lat = torch.cat([self._attend_rows(kv, selection[:, s:s + tile], q_lat[:, s:s + tile],
                                                        q_rot[:, s:s + tile]) for s in range(0, q_len, tile)], dim=1)
         out = torch.einsum("bqhr,hvr->bqhv", out_lat, self.w_uv).reshape(b, q_len, -1)
-        return F.linear(out, self.o, self.o_bias), selection
+        if self.o_bias is not None and self.collectives is not LOCAL:  # row-parallel: the bias once, after the sum
+            return self.collectives.attention_output(F.linear(out, self.o)) + self.o_bias, selection
+        return self.collectives.attention_output(F.linear(out, self.o, self.o_bias)), selection
 
     def _attend_rows(self, kv: StepKV, selection: torch.Tensor, q_lat: torch.Tensor, q_rot: torch.Tensor
                      ) -> torch.Tensor:
@@ -124,7 +135,7 @@ class IndexedMLA:
         cfg = self.cfg
         b, q_len, _ = x.shape
         rope = cfg.qk_rope_head_dim
-        q = F.linear(q_resid, self.idx_wq).view(b, q_len, cfg.index_n_heads, cfg.index_head_dim)
+        q = F.linear(q_resid, self.idx_wq).view(b, q_len, -1, cfg.index_head_dim)  # this rank's indexer heads
         k = F.layer_norm(F.linear(x, self.idx_wk), (cfg.index_head_dim,), self.idx_norm_w, self.idx_norm_b, 1e-6)
         q = torch.cat([self.idx_rope(q[..., :rope], cos.unsqueeze(2), sin.unsqueeze(2)), q[..., rope:]], dim=-1)
         k = torch.cat([self.idx_rope(k[..., :rope], cos, sin), k[..., rope:]], dim=-1)
@@ -152,7 +163,8 @@ class IndexedMLA:
             t = torch.arange(start, stop, device=keys_t.device).view(1, 1, -1)
             for i, (a, b) in enumerate(q_tiles):
                 scores = F.relu(torch.matmul(index_q[:, a:b].float(), keys_t) * self.idx_scale)  # [B, q, heads, tile]
-                index_scores = torch.matmul(head_w[:, a:b].unsqueeze(-2), scores).squeeze(-2)  # [B, q, tile]
+                index_scores = self.collectives.indexer_scores(
+                    torch.matmul(head_w[:, a:b].unsqueeze(-2), scores).squeeze(-2))  # [B, q, tile]
                 visible = (t <= positions[:, a:b].unsqueeze(-1)) & (t < lengths)
                 index_scores = index_scores.masked_fill(~visible, float("-inf"))
                 idx = t.expand_as(index_scores)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dhisparse.host_values import to_device
 from dhisparse.model.attention import IndexedMLA
+from dhisparse.model.collectives import LOCAL, Collectives
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import LocalKV, PrefillKV, StepKV
 from dhisparse.model.layers import MoE, RotaryEmbedding, gated_mlp, rms_norm
@@ -52,6 +53,7 @@ class DSAModel:
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.final_norm = w["model.norm.weight"]
+        self.collectives: Collectives = LOCAL  # engine/parallel installs its own (vocabulary-split lm_head)
         self.rope = RotaryEmbedding(cfg, device)
         self.attn = [IndexedMLA(cfg, i, w) for i in range(cfg.num_hidden_layers)]
         self.input_norm = [w[f"model.layers.{i}.input_layernorm.weight"] for i in range(cfg.num_hidden_layers)]
@@ -90,6 +92,7 @@ class DSAModel:
     ) -> ForwardOutput:
         """Run ``token_ids [B, Q]`` at ``positions [B, Q]`` against ``kv``. Logits of the last query only unless
         ``all_logits`` (speculative verification needs every position)."""
+        self.collectives.begin_forward(token_ids.numel())
         h = self.embed[token_ids]
         cos, sin = self.rope(positions, self.dtype)
         out = ForwardOutput(logits=torch.empty(0))
@@ -106,7 +109,7 @@ class DSAModel:
             if record_selections:
                 out.selections[i] = selection
         h = rms_norm(h if all_logits else h[:, -1:], self.final_norm, self.cfg.rms_norm_eps)
-        out.logits = F.linear(h, self.lm_head).float()
+        out.logits = self.collectives.vocab_logits(F.linear(h, self.lm_head), self.cfg.vocab_size).float()
         return out
 
     @torch.inference_mode()

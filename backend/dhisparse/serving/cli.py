@@ -44,6 +44,8 @@ _ENGINE_FLAGS = (
     ("max_batch_size", int, "engine batch size (running requests)"),
     ("speculative", str, "speculative decoding: dflash, dflash2 or dspark (a packed drafter family)"),
     ("num_draft_tokens", int, "draft tokens per speculation step"),
+    ("tensor_parallel_size", int, "ranks splitting attention heads, the indexer and the MLPs (docs/parallel.md)"),
+    ("data_parallel_size", int, "data-parallel attention ranks, each with its own requests and KV"),
 )
 
 
@@ -92,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("engine runtime options (override the engine's runtime.json)")
     for name, kind, help_text in _ENGINE_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None, help=help_text)
+    g.add_argument("--expert-parallel", dest="expert_parallel", action="store_const", const=True, default=None,
+                   help="partition MoE experts across the ranks (with --tensor-parallel-size or --data-parallel-size)")
     g.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="any other runtime option (value parsed as JSON when possible); repeatable")
     openai_server.add_arguments(p)
@@ -106,7 +110,7 @@ def engine_overrides(args: argparse.Namespace) -> dict[str, object]:
         if not sep or not key:
             raise ValueError(f"--engine-option expects KEY=VALUE, got {option!r}")
         overrides[key.strip().replace("-", "_")] = parse_override(value)
-    for name, _, _ in _ENGINE_FLAGS:
+    for name in [*(flag[0] for flag in _ENGINE_FLAGS), "expert_parallel"]:
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     return overrides

@@ -5,7 +5,8 @@ counters keep their running total, so `rate()` works on them as on Prometheus co
 gauges are added over each metrics interval: the share of resolved rows found at each resolver step
 (direct / hot cache / host), rows per resolver call, draft acceptance and tokens per verification step.
 Metric families are created lazily, the first time a statistic appears, because the set of statistics
-grows with the engine's features (residency, speculation).
+grows with the engine's features (residency, speculation). A multi-rank engine's per-rank figures
+(``rank{r}_<stat>``) are the gauges ``dhisparse_rank_<stat>{…, rank="r"}``.
 
 Only one thread may touch metrics: tritonserver 2.51 crashed in a probe when several threads updated
 custom metrics at once. `LLMService` calls `update` from its single supervisor thread.
@@ -83,6 +84,18 @@ def metric_name(stat: str) -> str:
     return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", stat)
 
 
+_RANK_STAT = re.compile(r"rank(\d+)_(.+)")
+
+
+def per_rank(stat: str, labels: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """A multi-rank engine's ``rank{r}_<name>`` statistic is the gauge ``rank_<name>`` labelled ``rank="r"``
+    (its own family: the engine-wide ``<name>`` is not mixed with per-rank series); others are unchanged."""
+    match = _RANK_STAT.fullmatch(stat)
+    if match is None:
+        return stat, dict(labels)
+    return f"rank_{match.group(2)}", {**labels, "rank": match.group(1)}
+
+
 def interval_ratios(previous: Mapping[str, float], current: Mapping[str, float]) -> dict[str, float]:
     """Derived ratios over the increments between two stats snapshots (absent when nothing happened)."""
     out = {}
@@ -112,13 +125,15 @@ class EngineMetrics:
     def _gauge(self, stat: str) -> Any:
         metric = self._metrics.get(stat)
         if metric is None:
-            name = metric_name(stat)
-            family = self._pb.MetricFamily(
-                name=name, description=DESCRIPTIONS.get(stat, f"dhisparse engine statistic '{stat}'"),
-                kind=self._pb.MetricFamily.GAUGE,
-            )
-            self._families[stat] = family
-            metric = self._metrics[stat] = family.Metric(labels=self._labels)
+            family_stat, labels = per_rank(stat, self._labels)
+            family = self._families.get(family_stat)
+            if family is None:
+                family = self._families[family_stat] = self._pb.MetricFamily(
+                    name=metric_name(family_stat),
+                    description=DESCRIPTIONS.get(family_stat, f"dhisparse engine statistic '{family_stat}'"),
+                    kind=self._pb.MetricFamily.GAUGE,
+                )
+            metric = self._metrics[stat] = family.Metric(labels=labels)
         return metric
 
     def update(self, stats: Mapping[str, float]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dhisparse.model.collectives import LOCAL, Collectives
 from dhisparse.model.deepseek_v4.compressor import Compressor
 from dhisparse.model.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from dhisparse.model.deepseek_v4.kv_state import V4StepKV
@@ -24,6 +25,10 @@ from dhisparse.model.deepseek_v4.layers import Rotary, apply_rope, grouped_outpu
 
 
 class V4Attention:
+    """One layer's attention. Under tensor parallelism the weights are this rank's slice: whole output groups of
+    ``o_a``/``o_b`` with their heads of ``q_b`` and ``sinks``, and the indexer heads; the K=V row and the compressors
+    stay whole. ``collectives`` completes the partial output projection and indexer scores."""
+
     def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, torch.Tensor]) -> None:
         p = f"model.layers.{layer}.self_attn."
         self.cfg, self.layer, self.kind = cfg, layer, cfg.layer_types[layer]
@@ -32,6 +37,8 @@ class V4Attention:
         self.kv_proj, self.kv_norm = w[p + "kv_proj.weight"], w[p + "kv_norm.weight"]
         self.o_a, self.o_b, self.sinks = w[p + "o_a_proj.weight"], w[p + "o_b_proj.weight"], w[p + "sinks"]
         self.scaling = cfg.head_dim**-0.5
+        self.o_groups = self.o_a.shape[0] // cfg.o_lora_rank  # this rank's output groups (all on one rank)
+        self.collectives: Collectives = LOCAL
         self.rate = cfg.compress_rate(layer)
         self.source = cfg.source_of(layer)
         self.compressor = self.index_compressor = None
@@ -104,7 +111,8 @@ class V4Attention:
             out = out + torch.einsum("bqhk,bqkd->bqhd", probs[..., start:start + n], v)
             start += n
         out = apply_rope(out, cos_h, -sin_h)
-        return grouped_output(out.reshape(b, q_len, -1), self.o_a, self.o_b, cfg.o_groups), selection
+        partial = grouped_output(out.reshape(b, q_len, -1), self.o_a, self.o_b, self.o_groups)
+        return self.collectives.attention_output(partial), selection
 
     def _select(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, threshold: torch.Tensor,
                 kv: V4StepKV, rotary: Rotary) -> torch.Tensor:
@@ -114,12 +122,12 @@ class V4Attention:
         b, q_len, _ = x.shape
         keys = kv.entries((self.source, "index"), self.rate)  # [B, E, d_index]
         cos, sin = rotary(positions, x.dtype)
-        q = F.linear(q_resid, self.idx_q_b).view(b, q_len, cfg.index_n_heads, cfg.index_head_dim)
+        q = F.linear(q_resid, self.idx_q_b).view(b, q_len, -1, cfg.index_head_dim)  # this rank's indexer heads
         q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
         scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)))
         scores = scores * cfg.index_head_dim**-0.5  # [B, Q, heads, E]
         head_w = F.linear(x, self.idx_weights).float() * cfg.index_n_heads**-0.5
-        index_scores = (scores * head_w.unsqueeze(-1)).sum(dim=2)  # [B, Q, E]
+        index_scores = self.collectives.indexer_scores((scores * head_w.unsqueeze(-1)).sum(dim=2))  # [B, Q, E]
         n_entries = keys.shape[1]
         if n_entries == 0:
             return torch.empty(b, q_len, 0, dtype=torch.int64, device=x.device)

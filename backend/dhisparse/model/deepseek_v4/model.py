@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dhisparse.host_values import to_device
+from dhisparse.model.collectives import LOCAL, Collectives
 from dhisparse.model.deepseek_v4.attention import V4Attention
 from dhisparse.model.deepseek_v4.config import DeepseekV4Config
 from dhisparse.model.deepseek_v4.kv_state import V4RequestKV, V4StepKV
@@ -58,6 +59,7 @@ class DeepseekV4Model:
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.final_norm = w["model.norm.weight"]
+        self.collectives: Collectives = LOCAL  # engine/parallel installs its own (vocabulary-split lm_head)
         self.head = (w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"])
         self.rotary = {name: Rotary(view, device) for name, view in cfg.rope_sets.items()}
         n = cfg.num_hidden_layers
@@ -92,6 +94,7 @@ class DeepseekV4Model:
         """Run ``token_ids [B, Q]`` at ``positions [B, Q]`` (``None``: ``kv.positions``, which they must equal);
         the caller commits ``kv`` afterwards."""
         cfg = self.cfg
+        self.collectives.begin_forward(token_ids.numel())
         if positions is None:
             positions = kv.positions
         elif not torch.equal(positions.to(kv.positions.device), kv.positions):
@@ -116,7 +119,7 @@ class DeepseekV4Model:
             out.selections = selections
         h = streams if all_logits else streams[:, -1:]
         h = rms_norm(hyper_head(h, *self.head, cfg), self.final_norm, cfg.rms_norm_eps)
-        out.logits = F.linear(h, self.lm_head).float()
+        out.logits = self.collectives.vocab_logits(F.linear(h, self.lm_head), cfg.vocab_size).float()
         return out
 
     @torch.inference_mode()
