@@ -2,7 +2,7 @@
 
 Co-located: every prefill runs on the decode GPU inside the engine step (the current planner mode). Disaggregated:
 prefill on separate GPUs (``--prefill-gpus``), history over a link (``--link-gbps``), the decode GPU only decodes
-(``dhisparse.planner.disaggregated``). Same workload, scale and locality for both, one row per configuration.
+(``dhisparse_planner.disaggregated``). Same workload, scale and locality for both, one row per configuration.
 Writes a markdown table (``--out``). Usage: ``python scripts/disagg_ttft.py --out docs/results/disaggregated_ttft.md``
 """
 
@@ -13,12 +13,12 @@ import dataclasses
 import time
 from pathlib import Path
 
-from dhisparse.planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
-from dhisparse.planner.paper import BASE, SCALE, SPEC
-from dhisparse.planner.report import parse_config
-from dhisparse.planner.simulator import simulate
-from dhisparse.planner.specs import GLM5_INDEXSHARE_NVFP4, H200
-from dhisparse.planner.workload import WorkloadSpec
+from dhisparse_planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
+from dhisparse_planner.paper import ADMISSION, BASE, SCALE, SPEC
+from dhisparse_planner.report import parse_config
+from dhisparse_planner.simulator import simulate
+from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
+from dhisparse_planner.workload import WorkloadSpec
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
              "decode admission wait (s) | out tok/s per decode GPU | mean TPOT (ms) |", "|---" * 10 + "|"]
     for tokens in args.input_tokens:
         for label in args.configs:
-            base = parse_config(label, BASE, SPEC, GLM5_INDEXSHARE_NVFP4.index_topk)
+            base = parse_config(label, BASE, SPEC, ADMISSION)
             serving = dataclasses.replace(base, locality=dataclasses.replace(base.locality, overlap=args.overlap))
             workload = WorkloadSpec(tokens, 8192, concurrency=args.concurrency,
                                     num_requests=args.concurrency * args.requests_per_client, seed=0)

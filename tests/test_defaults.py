@@ -12,7 +12,7 @@ from tiny_models import build_spec_engine, random_prompts
 from dhisparse import LLM, SamplingParams, defaults
 from dhisparse.engine.config import EngineConfig
 from dhisparse.kv.config import KVConfig
-from dhisparse.planner.workload import ServingSpec
+from dhisparse_planner.workload import ServingSpec
 
 
 def _table_value(name: str) -> object:

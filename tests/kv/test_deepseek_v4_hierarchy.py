@@ -190,7 +190,7 @@ def test_hot_cache_below_a_verification_block_is_refused():
     from dhisparse.engine.config import EngineConfig
     from dhisparse.errors import ConfigError
     from dhisparse.kv.factory import make_kv_store
-    from dhisparse.planner.deepseek_v4 import DSV4_FLASH
+    from dhisparse_planner.deepseek_v4 import DSV4_FLASH
 
     cfg = dataclasses.replace(DSV4_FLASH, num_hidden_layers=3, layer_types=DSV4_FLASH.layer_types[:3],
                               mlp_layer_types=("moe",) * 3, hidden_size=64, head_dim=64, qk_rope_head_dim=16,

@@ -10,7 +10,7 @@ from dhisparse.engine.config import EngineConfig
 from dhisparse.errors import ConfigError
 from dhisparse.kv import KVConfig
 from dhisparse.kv.policies import ENGINE_POLICIES, KV_POLICIES, POLICIES, policy_named
-from dhisparse.planner.workload import ServingSpec
+from dhisparse_planner.workload import ServingSpec
 
 
 def test_each_policy_owns_its_decisions() -> None:

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from dhisparse.kv.host_store import ChunkedRows
-from dhisparse.planner import batch, core
-from dhisparse.planner.disaggregated import DisaggregationSpec
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.paper import BASE, SPEC
-from dhisparse.planner.report import parse_config
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.simulator import AHEAD, Simulator, simulate
-from dhisparse.planner.specs import GLM5_INDEXSHARE_NVFP4 as GLM
-from dhisparse.planner.specs import H200
-from dhisparse.planner.workload import WorkloadSpec
+from dhisparse_planner import batch, core
+from dhisparse_planner.disaggregated import DisaggregationSpec
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.paper import BASE, SPEC
+from dhisparse_planner.report import parse_config
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.simulator import AHEAD, Simulator, simulate
+from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4 as GLM
+from dhisparse_planner.specs import H200
+from dhisparse_planner.workload import WorkloadSpec
 
 LOC = LocalityModel(overlap=0.7, recent_fraction=0.3)
 

@@ -8,19 +8,19 @@ import math
 
 import pytest
 
-from dhisparse.planner import HARDWARE_PRESETS, MODEL_PRESETS, ServingSpec, WorkloadSpec
-from dhisparse.planner.calibrate import (
+from dhisparse_planner import HARDWARE_PRESETS, MODEL_PRESETS, ServingSpec, WorkloadSpec
+from dhisparse_planner.calibrate import (
     ShareTarget,
     fit_published,
     fit_trace,
     synthetic_sequences,
     trace_moments,
 )
-from dhisparse.planner.constants import BY_NAME, CONSTANTS, Setup, table_markdown
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.sensitivity import joint_time_ranges, ratio_claims, sensitivity
-from dhisparse.planner.simulator import simulate
+from dhisparse_planner.constants import BY_NAME, CONSTANTS, Setup, table_markdown
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.sensitivity import joint_time_ranges, ratio_claims, sensitivity
+from dhisparse_planner.simulator import simulate
 
 H200 = HARDWARE_PRESETS["h200"]
 GLM = MODEL_PRESETS["glm5-indexshare-nvfp4"]
@@ -117,7 +117,7 @@ def test_calibrated_defaults_are_the_recorded_calibration() -> None:
     import csv
     from pathlib import Path
 
-    from dhisparse.planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE, CALIBRATED_RECENT_RANGE
+    from dhisparse_planner.locality import CALIBRATED, CALIBRATED_OVERLAP_RANGE, CALIBRATED_RECENT_RANGE
 
     path = Path(__file__).resolve().parents[2] / "docs" / "results" / "calibration.csv"
     rows = {r["evidence"].split(" (")[0]: r for r in csv.DictReader(path.open())}

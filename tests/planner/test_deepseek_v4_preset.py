@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dhisparse.planner.deepseek_v4 import DSV4_FLASH, FP8_ROW_BYTES, request_split
+from dhisparse_planner.deepseek_v4 import DSV4_FLASH, FP8_ROW_BYTES, request_split
 
 
 def test_preset_schedule_matches_the_model_card():

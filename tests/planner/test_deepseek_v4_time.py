@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from dhisparse.model.deepseek_v4.config import CSA, HCA, SLIDING
-from dhisparse.planner.deepseek_v4 import DSV4_FLASH, request_split
-from dhisparse.planner.deepseek_v4_sim import V4Scale, V4Serving, V4Sim
-from dhisparse.planner.deepseek_v4_time import V4Costs, V4Deployment, V4Params, V4StepLoad, v4_step_seconds
-from dhisparse.planner.specs import H200, HardwareSpec
-from dhisparse.planner.speculation import SpeculationModel
+from dhisparse_planner.deepseek_v4 import DSV4_FLASH, request_split
+from dhisparse_planner.deepseek_v4_sim import V4Scale, V4Serving, V4Sim
+from dhisparse_planner.deepseek_v4_time import V4Costs, V4Deployment, V4Params, V4StepLoad, v4_step_seconds
+from dhisparse_planner.specs import H200, HardwareSpec
+from dhisparse_planner.speculation import SpeculationModel
 
 
 def test_step_cost_by_hand():
@@ -32,13 +32,13 @@ def test_step_cost_by_hand():
     assert parts["rows"] == 58 and parts["keys"] == 20  # x 2 queries; keys: 10 entries x 2 queries
     # weights: instance tokens 2 x 2 = 4, experts touched 4 * (1 - (1/2)^4) = 3.75 per layer
     weights = (100 + 3 * 3.75 * 10) / 2
-    hbm = (weights + 58 * 10 + 20 * 4) / 1000.0
+    hbm = (weights + 58 * 10 + 10 * 4) / 1000.0  # keys: the 10 entries read once for both queries
     flops = 2 * 160 * 4 / 2 + 2 * 32 * 58 + 2 * 2 * 4 * 20
     assert parts["hbm"] == pytest.approx(hbm)
     assert parts["compute"] == pytest.approx(max(hbm, flops / 5000.0))
     # every CSA layer owns its indexer: the whole fetch (0.5 s) is on the critical path
     assert parts["total"] == pytest.approx(0.1 + flops / 5000.0 + 0.5)
-    # window + HCA rows (26) and keys (10) read once per request; the 3 x 2 selected rows still per query
+    # window + HCA rows (26) read once per request as well; the 3 x 2 selected rows still per query
     once = v4_step_seconds(hw, costs, V4Deployment(gpus=2, attn_tp=1, kv_read_once=True), load)
     assert once["hbm"] == pytest.approx((weights + (6 + 26) * 10 + 10 * 4) / 1000.0)
 
@@ -49,7 +49,7 @@ def test_flash_parameters_match_the_model_card():
 
 
 def _sim(policy: str, pool: float, clients: int = 5) -> dict[str, float]:
-    spec = SpeculationModel(drafter="dspark", gamma=4, busy_batch=2)
+    spec = SpeculationModel.for_drafter("dspark", gamma=4, busy_batch=2)
     return V4Sim(H200, DSV4_FLASH, V4Deployment(8, 1), V4Serving(policy, spec), clients, 131072, 96,
                  pool_bytes=pool, scale=V4Scale(entry_scale=8, step_scale=16)).run()
 
@@ -69,16 +69,19 @@ def test_resident_admits_only_what_fits():
 def test_entry_cache_model_agrees_with_the_kv_manager(overlap):
     """With one token per entry (rate 1) the V4 stepping's direct / hot / host split of selected entries is the
     one the real KVManager's resolver produces in the DSA simulator for the same selections' statistics."""
-    from dhisparse.planner.locality import CALIBRATED
-    from dhisparse.planner.scale import ScaleSpec
-    from dhisparse.planner.simulator import simulate
-    from dhisparse.planner.specs import ModelSpec
-    from dhisparse.planner.workload import ServingSpec, WorkloadSpec
+    from dhisparse_planner.locality import CALIBRATED
+    from dhisparse_planner.scale import ScaleSpec
+    from dhisparse_planner.simulator import simulate
+    from dhisparse_planner.specs import ModelSpec
+    from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
     m = ModelSpec(name="one CSA layer", num_layers=1, index_group_size=1, index_topk=512, row_bytes=584,
                   index_key_bytes=132, attn_heads=64, index_heads=64, index_head_dim=128, total_params=284e9,
                   active_params=13e9, dense_params=6e9, moe_layers=43, num_experts=256, experts_per_token=6)
-    hw = dataclasses.replace(H200, hbm_bytes=m.weight_bytes_per_gpu + m.workspace_bytes + 256e6)  # small arena
+    # small arena; a host store of 16 GiB (the H200 rank's 256 GiB, simulated at 1/8, is more than this process may
+    # hold; the two histories take 38 MB of it either way)
+    hw = dataclasses.replace(H200, hbm_bytes=m.weight_bytes_per_gpu + m.workspace_bytes + 256e6,
+                             host_bytes_per_gpu=16 * 2**30)
     loc = dataclasses.replace(CALIBRATED, overlap=overlap, recent_window_tokens=1024)
     ref = simulate(hw, m, ServingSpec(policy="hisparse", hot_rows=4096, locality=loc, max_batch_size=2),
                    WorkloadSpec(32768, 256, concurrency=2, num_requests=2), ScaleSpec(token_scale=8)).summary()

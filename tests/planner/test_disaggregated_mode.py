@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dhisparse.planner import HARDWARE_PRESETS, MODEL_PRESETS, LocalityModel, ScaleSpec, ServingSpec, WorkloadSpec
-from dhisparse.planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
-from dhisparse.planner.simulator import simulate
-from dhisparse.planner.timing import prefill_seconds
+from dhisparse_planner import HARDWARE_PRESETS, MODEL_PRESETS, LocalityModel, ScaleSpec, ServingSpec, WorkloadSpec
+from dhisparse_planner.disaggregated import DisaggregatedSimulator, DisaggregationSpec
+from dhisparse_planner.simulator import simulate
+from dhisparse_planner.timing import prefill_seconds
 
 H200 = HARDWARE_PRESETS["h200"]
 GLM = MODEL_PRESETS["glm5-indexshare-nvfp4"]

@@ -11,7 +11,7 @@ import pytest
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.planner.trace import RecordingKV, replay
+from dhisparse_planner.trace import RecordingKV, replay
 
 LENGTHS = [40, 23, 61, 97, 12, 55]
 NEW_TOKENS = [9, 14, 6, 11, 8, 10]
@@ -57,3 +57,25 @@ def test_replayed_decisions_equal_the_engines(tiny_engine, policy: str, pool_sca
         assert last["reclaim_events"] >= 1 and last["optional_pages_refill_issued"] >= 1
     if policy == "hisparse":
         assert last["rows_host"] > 0
+
+
+def test_model_forward_trace_equals_the_engines_selections(tiny_engine) -> None:
+    """``engine_trace`` records selections from the model's own forward (no engine internals touched); they must be
+    the selections the engine's decode steps make on the same prompts (greedy, every indexer layer)."""
+    import torch
+
+    from dhisparse.model.model import DSAModel
+    from dhisparse_planner.engine_trace import greedy_selections
+
+    engine_dir = tiny_engine("glm_fsfs_sparse", "float32")
+    llm, rec = _run_engine(engine_dir, "resident", 40.0)
+    model = DSAModel.from_checkpoint(engine_dir, torch.float32)
+    prompts = random_prompts(LENGTHS, 96, seed=3)
+    indexers = list(model.cfg.indexer_layers)
+    for i, (prompt, new) in enumerate(zip(prompts, NEW_TOKENS, strict=True)):
+        ours = greedy_selections(model, prompt, new)
+        theirs = rec.selections[f"req-{i}"]
+        assert len(ours) == len(theirs) == new - 1
+        for step_ours, step_theirs in zip(ours, theirs, strict=True):
+            for layer in indexers:
+                assert torch.equal(step_ours[layer], step_theirs[layer][:1]), f"request {i} layer {layer}"

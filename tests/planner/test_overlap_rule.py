@@ -8,13 +8,13 @@ import math
 
 import pytest
 
-from dhisparse.planner import HARDWARE_PRESETS, MODEL_PRESETS, ServingSpec, SpeculationModel, WorkloadSpec
-from dhisparse.planner.locality import LocalityModel
-from dhisparse.planner.overlap import exposed_fetch_seconds, group_exposed_seconds, group_sizes
-from dhisparse.planner.retime import retime
-from dhisparse.planner.scale import ScaleSpec
-from dhisparse.planner.simulator import simulate
-from dhisparse.planner.timing import StepLoad, decode_step_seconds
+from dhisparse_planner import HARDWARE_PRESETS, MODEL_PRESETS, ServingSpec, SpeculationModel, WorkloadSpec
+from dhisparse_planner.locality import LocalityModel
+from dhisparse_planner.overlap import exposed_fetch_seconds, group_exposed_seconds, group_sizes
+from dhisparse_planner.retime import retime
+from dhisparse_planner.scale import ScaleSpec
+from dhisparse_planner.simulator import simulate
+from dhisparse_planner.timing import StepLoad, decode_step_seconds
 
 H200 = HARDWARE_PRESETS["h200"]
 GLM = MODEL_PRESETS["glm5-indexshare-nvfp4"]
@@ -55,7 +55,7 @@ def test_step_rule_equals_the_group_schedule_summed_over_groups(fetch_s: float, 
 
 def _load(host_bytes: float, refill_bytes: float = 0.0) -> StepLoad:
     return StepLoad(batch=8, query_tokens=8, attention_rows=8 * 2048 * 78.0, index_keys_scanned=8 * 32768 * 20.0,
-                    host_bytes=host_bytes, refill_bytes=refill_bytes)
+                    index_keys_read=8 * 32768 * 20.0, host_bytes=host_bytes, refill_bytes=refill_bytes)
 
 
 def test_host_overlap_is_an_outcome_of_the_index_sharing_pattern() -> None:

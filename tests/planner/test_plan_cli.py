@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dhisparse.planner.cli import main
-from dhisparse.planner.report import recommend
+from dhisparse_planner.cli import main
+from dhisparse_planner.report import recommend
 
 
 def test_cli_writes_table_plots_and_recommendation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,3 +46,22 @@ def test_recommend_uses_worst_overlap_and_the_bound() -> None:
     best = recommend(rows, 0.05)
     assert best is not None and (best["label"], best["concurrency"], best["output_tok_per_s_per_gpu"]) == ("b", 8, 150)
     assert recommend(rows, 0.005) is None
+
+
+def test_cli_measured_retimes_with_the_measured_link_and_adds_measured_ratios(tmp_path: Path) -> None:
+    """``--measured`` with a fixture in the shape of issue 25's GPU check (no real one exists yet)."""
+    fixture = Path(__file__).parent / "data" / "gpu_check_glm5_stack.json"
+    rc = main(["--input-tokens", "4096", "--output-tokens", "256", "--configs", "hisparse", "adaptive",
+               "--concurrency", "2", "--overlap", "0.8", "--out", str(tmp_path), "--no-plots",
+               "--measured", str(fixture)])
+    assert rc == 0
+    modelled = {r["label"]: r for r in csv.DictReader((tmp_path / "plan.csv").open())}
+    measured = {r["label"]: r for r in csv.DictReader((tmp_path / "plan_measured.csv").open())}
+    assert set(measured) == {"hisparse", "adaptive"}
+    # the fixture's 30 GB/s gather is faster than the modelled 25 GB/s: hisparse, which fetches, gains
+    key = "output_tok_per_s_per_gpu"
+    assert float(measured["hisparse"][key]) >= float(modelled["hisparse"][key])
+    text = (tmp_path / "plan_measured.md").read_text()
+    assert "fixture-0000000" in text and "adaptive / hisparse output, 32K C32 (measured per-layer step)" in text
+    assert main(["--out", str(tmp_path), "--no-plots", "--concurrency", "2", "--input-tokens", "4096",
+                 "--output-tokens", "256", "--measured", str(tmp_path / "missing.json")]) == 2

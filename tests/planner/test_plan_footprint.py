@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from dhisparse.planner.cli import main
-from dhisparse.planner.footprint_cli import session_footprint
-from dhisparse.planner.report import parse_config
-from dhisparse.planner.specs import DRAFTERS, GLM5, GLM5_INDEXSHARE_NVFP4
-from dhisparse.planner.speculation import SpeculationModel
-from dhisparse.planner.workload import ServingSpec
+from dhisparse_planner.cli import main
+from dhisparse_planner.footprint_cli import session_footprint
+from dhisparse_planner.report import parse_config
+from dhisparse_planner.specs import DRAFTERS, GLM5, GLM5_INDEXSHARE_NVFP4
+from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.workload import ServingSpec
 
 
 def test_cli_json_splits_required_memory(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,6 +42,6 @@ def test_speculation_adds_exactly_ring_plus_staging(model, gamma) -> None:
 
 def test_a_drafter_no_longer_enlarges_the_hot_cache() -> None:
     base = ServingSpec(hot_rows=4096)
-    spec = parse_config("adaptive+dflash2", base, SpeculationModel(gamma=7), 2048)
+    spec = parse_config("adaptive+dflash2", base, SpeculationModel(gamma=7))
     assert spec.hot_rows == 4096 and spec.hot_rows_for(2048) == 4096
     assert ServingSpec().hot_rows_for(2048) == 2048  # default B = index_topk

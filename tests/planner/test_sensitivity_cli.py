@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dhisparse.planner.cli import main
-from dhisparse.planner.constants import CONSTANTS
+from dhisparse_planner.cli import main
+from dhisparse_planner.constants import CONSTANTS
 
 ARGS = ["--input-tokens", "4096", "--output-tokens", "256", "--configs", "adaptive", "hisparse", "--concurrency", "2",
         "--overlap", "0.7", "0.9", "--sensitivity"]

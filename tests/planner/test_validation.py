@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dhisparse.planner import ScaleSpec, ServingSpec, WorkloadSpec, simulate
-from dhisparse.planner.validation import (
+from dhisparse_planner import ScaleSpec, ServingSpec, WorkloadSpec, simulate
+from dhisparse_planner.validation import (
     BASELINE_RUNNING,
     BASELINE_TOK_S,
     INPUT_TOKENS,

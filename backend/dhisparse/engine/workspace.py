@@ -6,8 +6,8 @@ KV side keeps on the device beyond it is fixed by the configuration and part of 
 state (``kv/batch_state.py``: page tables, host page ids, hot-cache state, staging rows and key-page tables of
 ``max_batch_size`` slots of ``max_model_len`` positions, ``batch_state_bytes`` in ``stats()``), the draft ring
 (``max_batch_size`` slots, when speculating) and the arena's scratch and zero pages. Admission still charges
-each request's page-table / hot-state bytes and its draft ring against the pool as well (the planner's
-per-request model of them), so those are counted twice: conservative, and small beside the pages.
+each request's page-table / hot-state bytes and its draft ring against the pool as well (the per-request
+footprint model of them), so those are counted twice: conservative, and small beside the pages.
 Each forward also allocates temporaries; they are bounded here by the configuration alone —
 ``max_batch_size``, ``prefill_chunk_tokens``, the verification length and the model config — because the indexer
 scores keys ``INDEX_TILE_TOKENS`` at a time and queries ``QUERY_TILE_TOKENS`` at a time, and prefill attention reads

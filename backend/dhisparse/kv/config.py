@@ -230,7 +230,7 @@ class KVConfig:
             drafter is configured; required memory, never lent. Verification staging is derived from the layout
             and this config (:meth:`staging_rows`) and is required memory as well.
         staging_share: fraction of its verification staging a request holds (and is charged for); 1 on a real
-            engine. Only the planner's scaled simulation sets it below 1: there one simulated index group stands
+            engine. Only a scaled simulation (a capacity model) sets it below 1: there one simulated index group stands
             for several real ones, while a real GPU keeps one staging for all of its groups; the staging rows
             then alias each other (the simulation's rows carry no payload).
         model_state_bytes: per-request device bytes a model family keeps beside the hierarchy (deepseek_v4: the

@@ -62,7 +62,7 @@ def tail_state_bytes(cfg: DeepseekV4Config, max_model_len: int, *, row_bytes: in
                      pending_value_bytes: int) -> int:
     """Device bytes of one request's required V4 state at ``max_model_len`` tokens: window rows (``W - 1`` per
     layer), compressor pending projections, CSA indexer keys and HCA entries (CSA KV entries excluded: they are
-    in the hierarchy). Byte sizes are arguments so the planner can price the FP8 serving layout."""
+    in the hierarchy). Byte sizes are arguments so a caller can price the FP8 serving layout."""
     total = cfg.num_hidden_layers * (cfg.sliding_window - 1) * row_bytes
     for (layer, kind), (rate, pending, width) in state_keys(cfg).items():
         total += 2 * pending * width * pending_value_bytes

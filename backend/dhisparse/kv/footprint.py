@@ -140,7 +140,7 @@ def request_footprint(layout: KVLayout, config: KVConfig, prompt_len: int, max_n
     staging_rows = config.staging_rows(layout)
     staging_slots = layout.staging_slots if staging_rows else 0
     staging_pages = staging_slots * ceil_div(staging_rows, config.page_rows)
-    if staging_pages and config.staging_share < 1.0:  # the planner's scaled simulation (see KVConfig)
+    if staging_pages and config.staging_share < 1.0:  # a scaled simulation (see KVConfig.staging_share)
         staging_pages = max(1, round(staging_pages * config.staging_share))
     indexers = len(layout.indexer_layers)
     key_blocks, key_blocks_1 = (ceil_div(c, per_page) if per_page else 0 for c in (capacity, capacity_1))

@@ -1,6 +1,6 @@
 """KV policies as objects: each policy owns its decisions, and adding one means adding a class here.
 
-A policy answers, for the KV manager, its residency operations, the footprint and the planner:
+A policy answers, for the KV manager, its residency operations, the footprint and capacity models:
 
 - ``uses_host``: whether the full history lives in the host store (host copies exist, the hot cache and the
   resolver's host step are in play). ``resident`` keeps everything on device and has neither.

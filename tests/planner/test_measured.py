@@ -1,0 +1,61 @@
+"""``--measured FILE``: GPU-check figures in place of modelled ones. No GPU check with ``glm5_stack`` exists yet
+(issue 25); these tests use a fixture of that shape (tests/planner/data/gpu_check_glm5_stack.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dhisparse_planner import paper
+from dhisparse_planner.measured import (
+    load_measured,
+    measured_claims,
+    measured_step_s,
+    newest_gpu_check,
+    tokens_per_step,
+    with_measured_link,
+)
+from dhisparse_planner.specs import GLM5_INDEXSHARE_NVFP4, H200
+
+FIXTURE = Path(__file__).parent / "data" / "gpu_check_glm5_stack.json"
+M = GLM5_INDEXSHARE_NVFP4
+
+
+def test_the_fixture_is_read_and_replaces_the_link_and_the_layer_steps() -> None:
+    got = load_measured(FIXTURE, M.row_bytes)
+    assert got.commit == "fixture-0000000" and got.gather_bytes_per_s == 30e9 and len(got.stack) == 7
+    assert with_measured_link(H200, got).host_link_bytes_per_s == 30e9
+    p = got.point("adaptive+dflash2", 128, 102400)
+    assert p is not None and p.layer_step_ms == 1.8
+    step = measured_step_s(H200, M, p)
+    assert step > M.num_layers * 1.8e-3 + H200.step_overhead_s  # plus the MoE / dense weights read
+    claims = measured_claims(got, H200, M, paper.SPEC)
+    name = "adaptive+dflash2 / hisparse output, 100K C128 (measured per-layer step)"
+    h = got.point("hisparse", 128, 102400)
+    expected = (tokens_per_step("adaptive+dflash2", 102400, paper.SPEC) / step) / (1.0 / measured_step_s(H200, M, h))
+    assert claims[name] == pytest.approx(expected)
+    assert "adaptive / hisparse output, 32K C32 (measured per-layer step)" in claims
+    assert not any("resident+dflash2" in k for k in claims)  # no resident+dflash2 point in the fixture
+
+
+def test_nested_records_and_clear_errors(tmp_path: Path) -> None:
+    nested = {"commit": "c", "glm5_stack": {"adaptive+dflash2": {"32": {"32768": {"layer_step_ms": 0.4}}}}}
+    path = tmp_path / "nested.json"
+    path.write_text(json.dumps(nested))
+    got = load_measured(path, M.row_bytes)
+    assert got.stack[0].label == "adaptive+dflash2" and got.stack[0].batch == 32 and got.gather_bytes_per_s is None
+    path.write_text(json.dumps({"commit": "c"}))
+    with pytest.raises(ValueError, match="glm5_stack"):
+        load_measured(path, M.row_bytes)
+    path.write_text(json.dumps({"commit": "c", "glm5_stack": [{"policy": "hisparse", "batch": 8, "history": 1}]}))
+    with pytest.raises(ValueError, match="layer_step_ms"):
+        load_measured(path, M.row_bytes)
+
+
+def test_the_newest_check_with_a_stack_is_found(tmp_path: Path) -> None:
+    (tmp_path / "2026-01-01.json").write_text(json.dumps({"commit": "a"}))
+    assert newest_gpu_check(tmp_path) is None
+    (tmp_path / "2026-02-01.json").write_text(FIXTURE.read_text())
+    assert newest_gpu_check(tmp_path) == tmp_path / "2026-02-01.json"
