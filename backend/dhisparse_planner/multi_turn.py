@@ -3,7 +3,9 @@
 Workload: ``clients`` closed-loop clients, each running ``sessions_per_client`` sessions of ``turns`` turns back to
 back. Turn 1's prompt is ``context_tokens`` (document / system prompt + first message); every later prompt is the
 whole history (previous prompt + previous reply) plus a new user message of ``turn_tokens``. A reply is
-``reply_tokens``; a client sends its next turn when the reply ends (plus ``think_s``). Sessions share nothing.
+``reply_tokens``; a client sends its next turn when the reply ends plus a think time (exponential with mean
+``think_s``, drawn per session and turn from ``seed``: a constant one would keep the clients in lockstep).
+Sessions share nothing.
 
 Decisions follow the runtime (``docs/prefix_reuse.md``) and use its own index, :class:`dhisparse.kv.prefix_cache.
 PrefixCache` (reference counts, LRU of unreferenced leaves, deepest first within one use):
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,7 +63,7 @@ class MultiTurnSpec:
             window)``).
         max_prefill_tokens_per_step: the engine's prefill budget per step.
         host_bytes: host store per rank (bytes; ``None``: the hardware's ``host_bytes_per_gpu``).
-        think_s: user time between a reply and the next turn (seconds).
+        think_s: mean user time between a reply and the next turn (seconds; exponential, ``seed``).
     """
 
     context_tokens: int
@@ -75,6 +78,7 @@ class MultiTurnSpec:
     max_prefill_tokens_per_step: int = defaults.MAX_PREFILL_TOKENS_PER_STEP
     host_bytes: float | None = None
     think_s: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("context_tokens", "turn_tokens", "reply_tokens", "turns", "clients", "sessions_per_client",
@@ -184,7 +188,6 @@ class _Engine:
         self.decoding: list[Turn] = []
         self.pending: list[Turn] = []  # issued, arriving later (think time)
         self.done: list[Turn] = []
-        self.session_ids = [c * spec.sessions_per_client for c in range(spec.clients)]
 
     # admission -----------------------------------------------------------------------------------------------
     def _pages(self, tokens: int) -> int:
@@ -226,6 +229,12 @@ class _Engine:
                 parent = entry
             self.cache.drop(t.held + mine)
         t.held = []
+
+    def _think(self, t: Turn) -> float:
+        """Think time after ``t``: drawn per (seed, session, turn), so reuse on and off see the same ones."""
+        if self.spec.think_s <= 0:
+            return 0.0
+        return random.Random(f"{self.spec.seed}/{t.session}/{t.turn}").expovariate(1.0 / self.spec.think_s)
 
     # the loop ------------------------------------------------------------------------------------------------
     def _issue(self, client: int, session_index: int, turn: int, at: float) -> None:
@@ -295,10 +304,11 @@ class _Engine:
                 self._release(t)
                 self.done.append(t)
                 s_index = t.session - t.client * spec.sessions_per_client
+                think = self._think(t)
                 if t.turn < spec.turns:
-                    self._issue(t.client, s_index, t.turn + 1, self.clock + spec.think_s)
+                    self._issue(t.client, s_index, t.turn + 1, self.clock + think)
                 elif s_index + 1 < spec.sessions_per_client:
-                    self._issue(t.client, s_index + 1, 1, self.clock + spec.think_s)
+                    self._issue(t.client, s_index + 1, 1, self.clock + think)
         return MultiTurnResult(spec, self.done, self.capacity, self.page_bytes,
                                cached_area / self.clock if self.clock else 0.0, cached_max, self.evicted, self.clock)
 

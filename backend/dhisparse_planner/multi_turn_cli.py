@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-gib", type=float, default=0.0, help="host store per rank (default: the hardware's)")
     p.add_argument("--page-rows", type=int, default=defaults.PAGE_ROWS)
     p.add_argument("--max-prefill-tokens-per-step", type=int, default=defaults.MAX_PREFILL_TOKENS_PER_STEP)
-    p.add_argument("--think-s", type=float, default=0.0, help="user time between a reply and the next turn")
+    p.add_argument("--think-s", type=float, default=0.0,
+                   help="mean user time between a reply and the next turn (exponential; seconds)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the think times")
     p.add_argument("--out", type=Path, default=None, help="write multi_turn.md / multi_turn.csv here")
     return p
 
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                                          page_rows=args.page_rows,
                                          max_prefill_tokens_per_step=args.max_prefill_tokens_per_step,
                                          host_bytes=args.host_gib * GIB if args.host_gib > 0 else None,
-                                         think_s=args.think_s)
+                                         think_s=args.think_s, seed=args.seed)
                     rows += rows_for(hw, model, spec)
     except (ValueError, RuntimeError) as e:
         print(f"dhisparse-plan multi-turn: {e}", file=sys.stderr)
@@ -93,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     host = args.host_gib if args.host_gib > 0 else hw.host_bytes_per_gpu / GIB
     header = (f"{model.name} on {hw.name}, one rank: host store {host:g} GiB, page_rows {args.page_rows}, "
               f"prefill budget {args.max_prefill_tokens_per_step} tokens/step, {args.turns} turns, reply "
-              f"{args.reply_tokens} tokens (ASSUMED), think time {args.think_s:g} s, {args.sessions_per_client} "
-              "sessions per client (the first left out of the means). prefill_* = mean prompt tokens prefilled per "
-              "turn (reuse off / on); hit_rate = reused / prompt tokens; ttft_* = mean TTFT (admission wait + lane "
-              "queue + prefill); ttft_ratio = off / on; cached_gib_* = host memory of cached pages with reuse on "
-              "(time mean / max over the run).")
+              f"{args.reply_tokens} tokens (ASSUMED), think time {args.think_s:g} s (mean, exponential, seed "
+              f"{args.seed}), {args.sessions_per_client} sessions per client (the first left out of the means). "
+              "prefill_* = mean prompt tokens prefilled per turn (reuse off / on); hit_rate = reused / prompt "
+              "tokens; ttft_* = mean TTFT (admission wait + lane queue + prefill); ttft_ratio = off / on; "
+              "cached_gib_* = host memory of cached pages with reuse on (time mean / max over the run).")
     table = markdown(rows)
     print(header + "\n\n" + table)
     if args.out is not None:
