@@ -126,3 +126,16 @@ def test_cli_writes_the_table(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
     assert len(lines) == 1 + 3 and lines[0].startswith("context,turn_tokens")
     assert "dhisparse-plan multi-turn --context 2048" in (tmp_path / "multi_turn.md").read_text()
     assert main(["multi-turn", "--context", "0"]) == 2
+
+
+def test_reuse_on_and_off_draw_the_same_think_times() -> None:
+    spec = dataclasses.replace(BASE, think_s=2.0, seed=3)
+    on, off = simulate_multi_turn(H200, GLM5, spec), simulate_multi_turn(H200, GLM5, with_reuse(spec, False))
+
+    def gaps(r: MultiTurnResult) -> dict[tuple[int, int], float]:
+        done = {(t.session, t.turn): t.finish_s or 0.0 for t in r.turns}
+        return {(t.session, t.turn): t.arrival_s - done[(t.session, t.turn - 1)] for t in r.turns if t.turn > 1}
+
+    a, b = gaps(off), gaps(on)
+    assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-9) for k in a)
+    assert len(set(round(v, 6) for v in a.values())) > len(a) // 2  # drawn, not one constant
