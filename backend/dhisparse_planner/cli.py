@@ -8,7 +8,8 @@ Example (GLM-class, 32K in / 8K out, H200)::
 
 Writes ``plan.csv``, ``plan.md`` (table + recommendation) and PNG plots into ``--out`` and prints the table.
 ``dhisparse-plan footprint …`` prints one session's required / optional / speculative bytes instead
-(:mod:`dhisparse_planner.footprint_cli`).
+(:mod:`dhisparse_planner.footprint_cli`); ``dhisparse-plan multi-turn …`` models prefix reuse in multi-turn chat
+(:mod:`dhisparse_planner.multi_turn_cli`).
 ``--sensitivity`` adds ``sensitivity.csv`` / ``sensitivity.md`` / ``sensitivity.png``: for the first config
 against each other one, output and TTFT ratios at every concurrency with each constant of
 ``dhisparse_planner.constants`` at the ends of its plausible range (one bar per constant).
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         from dhisparse_planner.footprint_cli import main as footprint_main
 
         return footprint_main(argv[1:])
+    if argv and argv[0] == "multi-turn":
+        from dhisparse_planner.multi_turn_cli import main as multi_turn_main
+
+        return multi_turn_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         hw = HARDWARE_PRESETS[args.hardware]
