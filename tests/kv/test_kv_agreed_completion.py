@@ -140,12 +140,11 @@ def _run(engine_dir, pool_bytes: int, seed: int, agreed: bool) -> tuple[list[lis
     """Serve the prompts with stand-in events answering at random (``seed``); returns the tokens, the per-step digest
     the tensor-parallel driver compares (tokens + KV decision counters and gauges) and the stalls."""
     llm = LLM(engine_dir, kv_policy="adaptive", page_rows=4, pool_bytes=pool_bytes, refill_pages_per_step=4,
-              max_batch_size=3)
+              max_batch_size=3, agreed_copy_completion=agreed)  # the runtime option (TP ranks: always on)
     kv = llm.engine.kv
+    assert kv.copies.agreed == kv.fence.agreed == agreed and kv.stats()["kv_copies_agreed"] == float(agreed)
     events = Events(seed, p=0.4)
     kv.copies.event_source = kv.fence.event_source = events
-    if agreed:
-        assert agree_copy_completion(kv)
     engine = llm.engine
     ids = [engine.add_request(p, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
            for p in random_prompts(LENGTHS, 96, seed=5)]
