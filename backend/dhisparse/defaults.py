@@ -39,4 +39,7 @@ TENSOR_PARALLEL_SIZE = 1  # ranks splitting attention heads, the indexer and den
 DATA_PARALLEL_SIZE = 1  # data-parallel attention ranks, each with its own requests and KV; MLP layers span all ranks
 TP_SPLIT_INDEXER = True  # TP: split the indexer's heads (scores all-reduced); False: each rank runs the whole indexer
 EXPERT_PARALLEL = False  # MoE experts partitioned across all ranks (data-parallel attention: all-to-all dispatch)
+# KV copies and reader epochs complete by the step sequence, never by device event timing (kv/copies.py; always on for
+# tensor-parallel ranks, which must take the same KV decisions)
+AGREED_COPY_COMPLETION = False
 COLLECTIVE_TIMEOUT_S = 60.0  # every torch.distributed collective between ranks fails after this many seconds

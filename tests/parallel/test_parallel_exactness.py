@@ -90,7 +90,10 @@ def test_parallel_tokens_equal_single_process(case, tiny_engine, v4_engine, spec
         assert [o.token_ids for o in llm.generate(prompts, sampled)] == expected_sampled
         if name == "glm_fsfs_sparse":
             _check_decode_step_volume(llm, prompts[:2])
-        llm.engine.poll_idle()
+        for _ in range(3):  # frees deferred by copies in flight at the last release (agreed completion, under TP,
+            llm.engine.poll_idle()  # completes a copy at the second poll after it was issued)
+            if llm.stats().get("kv_requests_releasing", 0.0) == 0:
+                break
         stats = llm.stats()
     assert stats["parallel_world_size"] == 2
     assert stats["requests_finished"] == 2 * len(prompts) + (2 if name == "glm_fsfs_sparse" else 0)
@@ -98,6 +101,9 @@ def test_parallel_tokens_equal_single_process(case, tiny_engine, v4_engine, spec
         assert stats["kv_required_bytes"] == 0  # everything released; the prefix cache's device copies may stay
         assert stats["kv_optional_bytes"] == stats.get("kv_prefix_device_bytes", 0.0)
         assert stats["rank0_kv_pool_bytes"] == stats["rank1_kv_pool_bytes"] == overrides.get("pool_bytes", 256 << 20)
+        # tensor-parallel ranks complete copies by the step sequence (agreed completion; TP reports rank 0's figure,
+        # the driver compared every rank's decisions each step), data-parallel groups by their own events (DP: a sum)
+        assert stats["kv_copies_agreed"] == float("tensor_parallel_size" in shape)
     if tight and policy in ("hisparse", "adaptive"):
         assert stats["kv_rows_host"] > 0  # the tight pool made the hierarchy fetch rows from the host store
     if drafter:

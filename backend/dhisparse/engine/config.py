@@ -55,6 +55,7 @@ class EngineConfig:
     expert_parallel: bool = defaults.EXPERT_PARALLEL  # MoE experts partitioned across ranks
     tp_split_indexer: bool = defaults.TP_SPLIT_INDEXER  # TP: indexer heads split (else replicated on every rank)
     collective_timeout_s: float = defaults.COLLECTIVE_TIMEOUT_S  # every collective between ranks fails after this
+    agreed_copy_completion: bool = defaults.AGREED_COPY_COMPLETION  # KV copies complete by step, not event timing
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

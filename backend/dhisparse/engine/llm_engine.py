@@ -31,7 +31,7 @@ from dhisparse.engine.scheduler import Scheduler
 from dhisparse.engine.validation import validate_request
 from dhisparse.engine.workspace import plan_device
 from dhisparse.errors import EngineDeadError, InvalidRequestError
-from dhisparse.kv.factory import make_kv_store
+from dhisparse.kv.factory import agree_copy_completion, make_kv_store
 from dhisparse.kv.store import CopyError, KVStore
 from dhisparse.sampling import SamplingParams, add_counts, initial_counts, seed_to_int64
 from dhisparse.spec.speculator import Speculator
@@ -64,6 +64,8 @@ class LLMEngine:
             kernels=cfg.kernels, kv_dtype=cfg.kv_dtype, index_key_dtype=cfg.index_key_dtype,
             stream_prefill=cfg.stream_prefill, max_query_len=query_len, max_model_len=self.max_model_len,
             copy_fault_hook=self.faults.copy_hook if self.faults.enabled else None)
+        if cfg.agreed_copy_completion:  # tensor-parallel ranks turn it on themselves (engine/parallel/rank.py)
+            agree_copy_completion(self.kv)
         if wrap_kv is not None:
             self.kv = wrap_kv(self.kv)
         self.scheduler = Scheduler(

@@ -22,6 +22,20 @@ where the manager marks a host page valid, maps a refilled page, or retires a ba
 :class:`ReaderFence` counts *reader epochs* (one per decode/verification step). A page retired at epoch
 ``e`` (``fence.issued`` at the decision) may be freed once ``fence.completed >= e``: every reader issued
 before the decision has finished.
+
+**Agreed completion** (``agreed = True`` on both; on automatically for tensor-parallel ranks, which must take the same
+KV decisions): when a copy or a reader epoch counts as complete is a function of the engine's step sequence only,
+never of event timing. The step boundary is the store's ``poll`` (:meth:`CopyEngine.poll`, :meth:`ReaderFence.tick`):
+at boundary ``k`` every copy issued before boundary ``k - 1`` completes (its event is synchronised on if it has not
+fired yet: a bounded stall, counted in ``agreed_stalls``) and no later copy does; between boundaries the fence counts
+exactly the epochs that ended before the previous boundary as complete. Explicit waits (``wait``, ``wait_all``,
+``ReaderFence.wait``) are already decided by the code path. Off (the default), completion follows the events'
+``query()`` (as soon as a copy is done on the device). On CPU, where completion never depends on timing, the rule
+applies to copies all the same (each completes one poll later than without it), so CPU runs exercise it; reader
+epochs on CPU have no events and finish at ``end()`` either way.
+
+``event_source`` (tests only): on a CPU engine, a factory of stand-in completion events (``query()`` /
+``synchronize()``) given to every copy and reader epoch, so the CUDA-shaped completion path runs on CPU.
 """
 
 from __future__ import annotations
@@ -82,6 +96,10 @@ class CopyEngine:
         self.rows_copied: dict[str, int] = {}
         self.copies_failed = 0
         self.mapped_copies = 0  # copies out of the host store that gathered from its mapped view
+        self.agreed = False  # agreed completion (module docstring)
+        self.agreed_stalls = 0  # agreed mode: copies completed by waiting on an event that had not fired yet
+        self.event_source: Callable[[], object] | None = None  # tests: stand-in events on CPU (module docstring)
+        self._cut = 0  # agreed mode: tickets with ids below this complete at the next poll
 
     @property
     def num_pending(self) -> int:
@@ -109,8 +127,7 @@ class CopyEngine:
         if mapped is not None:
             self._issue_mapped(ticket, dst, _to_device(dst_rows, dst.device), mapped,
                                _to_device(src_rows, mapped.device))
-            self._pending.append(ticket)
-            return ticket
+            return self._queue(ticket)
         dst_rows = dst_rows.to(dst.device)
         if src.device.type == "cpu" and src_rows.device.type != "cpu":
             # A copy list produced on the device read by the host: a synchronisation, counted (only when the
@@ -121,6 +138,11 @@ class CopyEngine:
             ticket._run = lambda: dst.index_copy_(0, dst_rows, src.index_select(0, src_rows))
         else:
             self._issue_cuda(ticket, dst, dst_rows, src, src_rows)
+        return self._queue(ticket)
+
+    def _queue(self, ticket: CopyTicket) -> CopyTicket:
+        if ticket._run is not None and self.event_source is not None:  # a CPU copy with a stand-in event (tests)
+            ticket._event = (self.event_source(), ())
         self._pending.append(ticket)
         return ticket
 
@@ -209,8 +231,7 @@ class CopyEngine:
                 ticket.watched = None if watch is None else watch.clone()
 
             ticket._run = run
-            self._pending.append(ticket)
-            return ticket
+            return self._queue(ticket)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         extra = () if watch is None else (watch,)
         self._record_on_copy_stream(dst, dst_rows, src_rows, *extra)
@@ -231,8 +252,7 @@ class CopyEngine:
 
         ticket._finish = finish
         ticket._event = (event, (host, dst, src_rows, dst_rows, count, *extra))
-        self._pending.append(ticket)
-        return ticket
+        return self._queue(ticket)
 
     def wait_for_read(self, ticket: CopyTicket | None) -> None:
         """Make the destination rows of ``ticket`` readable by work issued next on the current stream. CPU:
@@ -240,7 +260,7 @@ class CopyEngine:
         ticket completes (``on_done``) at a later ``poll`` / ``wait``."""
         if ticket is None or ticket.done:
             return
-        if ticket._event is None:
+        if ticket._event is None or not self.is_cuda:
             self.wait(ticket)
             return
         torch.cuda.current_stream(self.device).wait_event(ticket._event[0])  # type: ignore[index]
@@ -249,12 +269,12 @@ class CopyEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(ticket.kind)
-            if ticket._run is not None:
-                ticket._run()
-            elif ticket._event is not None:
+            if ticket._event is not None:
                 ticket._event[0].synchronize()  # type: ignore[index]
-                if ticket._finish is not None:
-                    ticket._finish()
+            if ticket._run is not None:  # CPU: the deferred copy itself
+                ticket._run()
+            elif ticket._finish is not None:
+                ticket._finish()
         except Exception as exc:
             ticket.error = exc
             ticket._run = ticket._event = ticket._finish = None
@@ -272,8 +292,18 @@ class CopyEngine:
         return bool(ticket._event[0].query())  # type: ignore[index]
 
     def poll(self) -> int:
-        """Complete the copies that are ready, oldest first (on CPU: all of them). Returns how many."""
+        """Complete the copies that are ready, oldest first (on CPU: all of them); in agreed mode exactly the copies
+        issued before the previous poll (module docstring). Returns how many."""
         count = 0
+        if self.agreed:
+            cut, self._cut = self._cut, self._next_id
+            while self._pending and self._pending[0].ticket_id < cut:
+                ticket = self._pending.popleft()
+                if not self._ready(ticket):
+                    self.agreed_stalls += 1
+                self._complete(ticket)
+                count += 1
+            return count
         while self._pending and self._ready(self._pending[0]):
             self._complete(self._pending.popleft())
             count += 1
@@ -310,14 +340,21 @@ def _mapped_view(src: torch.Tensor | ChunkedRows, dst: torch.Tensor | ChunkedRow
 
 
 class ReaderFence:
-    """Counts reader epochs: ``begin()`` when a step's reads are issued, ``end()`` after its last read."""
+    """Counts reader epochs: ``begin()`` when a step's reads are issued, ``end()`` after its last read; ``tick()`` at
+    each step boundary (the store's ``poll``), which only agreed mode uses (module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
         self.is_cuda = device.type == "cuda"
         self.device = device
         self.issued = 0
         self.completed = 0
+        self.agreed = False
+        self.agreed_stalls = 0  # agreed mode: epochs completed by waiting on an event that had not fired yet
+        self.event_source: Callable[[], object] | None = None  # tests: stand-in events on CPU (module docstring)
         self._events: deque[tuple[int, object]] = deque()
+        self._ended = 0  # the last epoch whose end() was called
+        self._ended_at_tick = 0  # ``_ended`` at the last tick
+        self._cut = 0  # agreed mode: epochs up to this count as complete (ended before the previous tick)
 
     @property
     def in_flight(self) -> bool:
@@ -329,14 +366,29 @@ class ReaderFence:
 
     def end(self) -> None:
         """The current epoch's reads are all issued. On CPU they are also finished (reads are synchronous)."""
+        self._ended = self.issued
         if self.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._events.append((self.issued, event))
+        elif self.event_source is not None:  # a stand-in event (tests)
+            self._events.append((self.issued, self.event_source()))
         else:
             self.completed = self.issued
 
+    def tick(self) -> None:
+        """A step boundary: in agreed mode the epochs ended before the previous boundary now count as complete."""
+        self._cut, self._ended_at_tick = self._ended_at_tick, self._ended
+
     def poll(self) -> None:
+        if self.agreed:
+            while self._events and self._events[0][0] <= self._cut:
+                epoch, event = self._events.popleft()
+                if not event.query():  # type: ignore[attr-defined]
+                    self.agreed_stalls += 1
+                event.synchronize()  # type: ignore[attr-defined]
+                self.completed = epoch
+            return
         while self._events and self._events[0][1].query():  # type: ignore[attr-defined]
             self.completed = self._events.popleft()[0]
 

@@ -92,3 +92,15 @@ def _deepseek_v4_store(model_cfg: DeepseekV4Config, policy: KVPolicy, dtype: tor
     )
     return V4HierarchyKVStore(model_cfg, v4_config, dtype, device, max_model_len, copy_fault_hook=copy_fault_hook)
 
+
+
+def agree_copy_completion(store: KVStore) -> bool:
+    """Turn on agreed copy completion (``kv/copies.py``) in ``store``'s hierarchy: when copies and reader epochs
+    complete becomes a function of the step sequence, never of device event timing, so ranks that must take the
+    same KV decisions (tensor parallelism) do. Returns False for a store that copies nothing between tiers (the
+    dense reference stores), where completion is already deterministic."""
+    manager = store.inner if isinstance(store, V4HierarchyKVStore) else store
+    if not isinstance(manager, KVManager):
+        return False
+    manager.copies.agreed = manager.fence.agreed = True
+    return True

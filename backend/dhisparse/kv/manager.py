@@ -541,6 +541,7 @@ class KVManager:
     def poll(self) -> None:
         """Complete ready copies, free what is safe to free, refill optional pages (bounded, round-robin)."""
         self.copies.poll()
+        self.fence.tick()  # the step boundary of agreed completion (kv/copies.py)
         self._free_safe()
         if self.policy.refills and not self.waiting and self.step is None:
             self._refill()
@@ -637,6 +638,9 @@ class KVManager:
         out["requests_releasing"] = float(len(self.releasing))
         out["copies_pending"] = float(self.copies.num_pending)
         out["copies_failed"] = float(self.copies.copies_failed)
+        # agreed completion (kv/copies.py): completions that waited on a device event; timing, not a decision
+        out["copies_agreed"] = float(self.copies.agreed)
+        out["copy_agreed_stalls"] = float(self.copies.agreed_stalls + self.fence.agreed_stalls)
         out["host_pages_used"] = float(self.host.used_pages)
         out["host_pages"] = float(self.host.num_pages)
         out["host_bytes_allocated"] = float(self.host.rows.nbytes)

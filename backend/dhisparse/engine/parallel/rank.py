@@ -48,11 +48,13 @@ from dhisparse.engine.parallel.shape import ParallelShape
 from dhisparse.engine.parallel.sharding import shard_weights
 from dhisparse.engine.request import RequestUpdate
 from dhisparse.errors import EngineDeadError, InvalidRequestError
+from dhisparse.kv.factory import agree_copy_completion
 
 FATAL_EXIT = 70  # a rank that cannot go on
 DRILL_ENV = "DHISPARSE_RANK_OVERRIDES"  # drills and tests only: {"<rank>": {runtime option: value}} for one rank
 CONTROL_TIMEOUT_FLOOR_S = 600.0  # control collectives wait for the slowest rank's whole step or model load
-TIMING_STATS = ("seconds", "_s", "time")  # statistics that depend on the clock, not on decisions
+# statistics that depend on the clock, not on decisions (stalls: agreed completion's waits on device events)
+TIMING_STATS = ("seconds", "_s", "time", "stall")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ class RankWorker:
         self.comm = RankCollectives(launch.shape, rank, model.device, group)
         self.idle_forward = parallelize(model, launch.shape, self.comm)
         self.engine = LLMEngine(model, config, speculator)
+        if launch.shape.tensor_parallel_size > 1:  # every rank must take the same KV decisions: not by event timing
+            agree_copy_completion(self.engine.kv)
         self.group = launch.shape.dp_rank(rank)
 
     def ready(self) -> Ready:
