@@ -19,21 +19,20 @@ import functools
 import itertools
 import logging
 import time
-import zlib
 from collections.abc import Callable
 
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.executor import Executor, Model, Sampled
 from dhisparse.engine.faults import FaultInjector
 from dhisparse.engine.prompts import Arrival, LocalPrefill, PromptSource
-from dhisparse.engine.request import Request, RequestUpdate, Status
+from dhisparse.engine.request import Request, RequestUpdate, Status, request_seed
 from dhisparse.engine.scheduler import Scheduler
 from dhisparse.engine.validation import validate_request
 from dhisparse.engine.workspace import plan_device
 from dhisparse.errors import EngineDeadError, InvalidRequestError
 from dhisparse.kv.factory import agree_copy_completion, make_kv_store
 from dhisparse.kv.store import CopyError, KVStore
-from dhisparse.sampling import SamplingParams, add_counts, initial_counts, seed_to_int64
+from dhisparse.sampling import SamplingParams, add_counts, initial_counts
 from dhisparse.spec.speculator import Speculator
 
 log = logging.getLogger("dhisparse")
@@ -101,7 +100,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if seed is None:
-            seed = seed_to_int64(params.seed if params.seed is not None else zlib.crc32(request_id.encode()))
+            seed = request_seed(params, request_id)
         req = Request(request_id, prompt, params, seed)
         if params.counts_tokens:
             req.token_counts = initial_counts(prompt, self.model.cfg.vocab_size, self.model.device)

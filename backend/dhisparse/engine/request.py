@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import enum
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
 
 from dhisparse.sampling.params import SamplingParams
+from dhisparse.sampling.sampler import seed_to_int64
+
+
+def request_seed(params: SamplingParams, request_id: str) -> int:
+    """A request's random stream (int64 bit pattern): from ``params.seed``, else from its id. One rule for every
+    engine (one process or several ranks), so seeded sampling is the same wherever the request runs."""
+    return seed_to_int64(params.seed if params.seed is not None else zlib.crc32(request_id.encode()))
 
 
 class Status(enum.Enum):

@@ -19,7 +19,6 @@ import collections
 import itertools
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,11 +43,11 @@ from dhisparse.engine.parallel.messages import (
 from dhisparse.engine.parallel.rank import RankLaunch, config_digest, drills_from_env
 from dhisparse.engine.parallel.shape import ParallelShape
 from dhisparse.engine.parallel.stats import aggregate
-from dhisparse.engine.request import Request, RequestUpdate, Status
+from dhisparse.engine.request import Request, RequestUpdate, Status, request_seed
 from dhisparse.engine.validation import validate_request
 from dhisparse.errors import EngineDeadError, InvalidRequestError
 from dhisparse.model.loading import AnyConfig, read_any_config
-from dhisparse.sampling import SamplingParams, seed_to_int64
+from dhisparse.sampling import SamplingParams
 
 READY_TIMEOUT_FLOOR_S = 600.0  # loading a model's slice may take minutes
 
@@ -132,7 +131,7 @@ class ParallelEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if seed is None:
-            seed = seed_to_int64(params.seed if params.seed is not None else zlib.crc32(request_id.encode()))
+            seed = request_seed(params, request_id)
         group = least_loaded(self._demand, self._running)
         self._group[request_id] = group
         self._demand[group] += len(prompt) + params.max_tokens
