@@ -102,18 +102,28 @@ def test_a_waiting_non_streaming_request_is_cancelled(served, prompt_runs_long, 
         for grpc_filler, _ in fillers:
             grpc_filler.stop_stream(cancel_requests=True)
             grpc_filler.close()
-    # A filler admitted first can run its LONG tokens to the end before the cancellations on a fast engine: it
-    # ended on its own (its stream has the final response) and is neither cancelled nor aborted.
-    ended = sum(_ended_on_its_own(responses) for _, responses in fillers)
+    # A filler admitted first can run its LONG tokens to the end before the cancellations on a fast engine (with
+    # prefix reuse the fillers share their prompt's pages, so several run at once and finish together). Such a
+    # request ended on its own: it is neither cancelled nor aborted. Its stream may or may not have received the
+    # final response before `stop_stream` dropped the call, so the client-side count is only a lower bound; the
+    # engine's counters are the truth (finished = ran to the end + aborted).
+    seen_ending = sum(_ended_on_its_own(responses) for _, responses in fillers)
     assert wait_idle(client, timeout_s=60) == IDLE
+    time.sleep(0.3)  # one more metrics refresh: cumulative counters current
     after = client.metrics()
     aborted = after["requests_aborted"] - before.get("requests_aborted", 0.0)
     cancelled = after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0)
-    assert after["requests_finished"] - before.get("requests_finished", 0.0) == FILLERS + 1  # nothing lost
-    assert ended < FILLERS  # fillers still waiting at the cancellations cannot have ended on their own
+    finished = after["requests_finished"] - before.get("requests_finished", 0.0)
+    assert finished == FILLERS + 1  # nothing lost: every request ended, one way or the other
+    ran_to_end = finished - aborted
+    assert aborted == cancelled  # every abort came from a client's cancellation, every cancellation aborted
+    assert aborted >= 1  # the fillers still waiting at the cancellations were aborted, not run
     if transport == "grpc":
-        assert (aborted, cancelled) == (FILLERS + 1 - ended, FILLERS + 1 - ended)
+        # The victim was aborted (checked above, before any filler was cancelled); fillers seen ending ran to it.
+        assert ran_to_end >= seen_ending
+        assert ran_to_end <= FILLERS
     else:
         # Triton 2.51 forwards cancellation from gRPC and the C API only: a dropped HTTP generate request runs to
         # its end (it is not aborted), then its memory is released like any finished request's.
-        assert (aborted, cancelled) == (FILLERS - ended, FILLERS - ended)
+        assert ran_to_end >= seen_ending + 1
+        assert aborted <= FILLERS
