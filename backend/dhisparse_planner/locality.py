@@ -15,6 +15,11 @@ Synthetic model (per request and simulated index group; positions in simulated r
 - Query ``j`` of a step may select positions ``< start + j + 1`` (causal); when that history is no longer than
   ``index_topk`` it selects all of it.
 
+``query_overlap`` set (not None) restores the selector from before issue 28's fix, for the ablation only
+(``scripts/planner_ablation.py``): every query of a step draws its selection anew, query ``j > 0`` keeping each
+position of query ``j - 1`` with probability ``query_overlap`` (an unsourced constant, 0.9 then), a re-verified
+position draws again, and the next step is anchored on the previous step's *last* query, even a rejected draft's.
+
 All randomness comes from one seeded ``torch.Generator``: a run is a pure function of its seed.
 """
 
@@ -28,16 +33,20 @@ import torch
 @dataclass(frozen=True)
 class LocalityModel:
     """Attributes (fractions in [0, 1]; window in real tokens):
-    overlap, recent_fraction, recent_window_tokens — see the module docstring."""
+    overlap, recent_fraction, recent_window_tokens, query_overlap (None: selections belong to positions; a
+    fraction: the pre-fix selector) — see the module docstring."""
 
     overlap: float = 0.8
     recent_fraction: float = 0.2
     recent_window_tokens: int = 4096
+    query_overlap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("overlap", "recent_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.query_overlap is not None and not 0.0 <= self.query_overlap <= 1.0:
+            raise ValueError(f"query_overlap must be None or in [0, 1], got {self.query_overlap}")
         if self.recent_window_tokens < 1:
             raise ValueError("recent_window_tokens must be >= 1")
 
@@ -101,6 +110,9 @@ class SyntheticSelector:
                 continue
             first, sel = got
             n = sel.shape[1]
+            if self.model.query_overlap is not None:  # pre-fix: the last query's selection, nothing kept
+                anchor[b] = sel[:, n - 1]
+                continue
             if first <= start - 1 < first + n:
                 anchor[b] = sel[:, start - 1 - first]
             lo, hi = max(start, first), min(start + q, first + n)
@@ -119,10 +131,11 @@ class SyntheticSelector:
         limit = limit.expand(batch, self.groups, q, 1)
         out = torch.empty(batch, self.groups, q, k, dtype=torch.int64)
         prev, known, have = self._known(request_ids, start_list, q)
+        legacy = self.model.query_overlap
         for j in range(q):
             lim = limit[:, :, j]  # [B, G, 1]
-            keep = (torch.rand(batch, self.groups, k, generator=self.gen) < self.model.overlap) & (prev >= 0) \
-                & (prev < lim)
+            keep_p = self.model.overlap if legacy is None or j == 0 else legacy
+            keep = (torch.rand(batch, self.groups, k, generator=self.gen) < keep_p) & (prev >= 0) & (prev < lim)
             sel = torch.where(keep, prev, self._fresh(lim, (batch, self.groups, k)))
             sel = self._dedupe(sel, lim)
             short = lim <= k  # whole history fits the top-k: select all of it

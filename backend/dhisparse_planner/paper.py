@@ -2,9 +2,12 @@
 
 Shared setup: one H200 (:data:`~dhisparse_planner.specs.H200`), GLM-5.x IndexShare NVFP4 (the paper's GLM-5.3
 is not public), page 64 rows, B = 4096 rows (HiSparse's published ``device_buffer_size``) with and without a
-drafter (the rows of a verification step that the hot cache cannot take go to verification staging, gamma = 4),
-drafter DFlash2 (acceptance 0.75 at 4K, -0.03 per
-context doubling), one closed-loop request per client, token scale g = 64, locality overlap 0.6 / 0.8 / 0.95.
+drafter (the rows of a verification step that the hot cache cannot take go to verification staging), SGLang's
+reference command's limits (480 running, 65,536 prefill tokens per step), drafter DFlash2 verifying its block of 8
+(gamma = 7, acceptance from the published figures: speculation.py), the HiSparse baseline admitting by SGLang's
+token budget (admission.py), 2 closed-loop requests per client (claims read the steady state), token scale g = 64;
+the locality is the calibrated one the caller passes (``locality.CALIBRATED``; ``OVERLAPS`` are the older defaults
+of the functions below).
 
 Experiments:
 
@@ -38,7 +41,7 @@ from dhisparse_planner.report import (
 )
 from dhisparse_planner.scale import ScaleSpec, build_scaled_kv
 from dhisparse_planner.simulator import SimResult, simulate
-from dhisparse_planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, ModelSpec
+from dhisparse_planner.specs import DRAFTERS, DSV32, GLM5_INDEXSHARE_NVFP4, H200, HardwareSpec, ModelSpec
 from dhisparse_planner.speculation import ACCEPTANCE, SpeculationModel
 from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
@@ -68,11 +71,13 @@ Row = dict[str, float | str]
 
 
 def glm_grid(input_tokens: int, concurrencies: tuple[int, ...], overlaps: tuple[float, ...] = OVERLAPS,
-             configs: tuple[str, ...] = CONFIGS, locality: LocalityModel | None = None) -> PlanGrid:
+             configs: tuple[str, ...] = CONFIGS, locality: LocalityModel | None = None,
+             speculation: SpeculationModel = SPEC, admission: tuple[tuple[str, TokenBudget], ...] = ADMISSION,
+             requests_per_client: int = PAPER_REQUESTS_PER_CLIENT) -> PlanGrid:
     base = BASE if locality is None else dataclasses.replace(BASE, locality=locality)
     return PlanGrid(configs=configs, concurrencies=concurrencies, overlaps=overlaps, input_tokens=input_tokens,
-                    output_tokens=8192, requests_per_client=PAPER_REQUESTS_PER_CLIENT, base_serving=base,
-                    speculation=SPEC, admission=ADMISSION, scale=SCALE)
+                    output_tokens=8192, requests_per_client=requests_per_client, base_serving=base,
+                    speculation=speculation, admission=admission, scale=SCALE)
 
 
 @dataclass(frozen=True)
@@ -80,13 +85,20 @@ class Sweep:
     """One sweep of the paper setup: ``configs`` x instance ``concurrencies`` at ``input_tokens`` / 8K out and one
     ``locality``, with attention tensor-parallel over the 8 GPUs (``attention_dp`` 1) or data-parallel (8: each
     GPU's pool serves ``C / 8`` of the instance's requests). Its rows carry the instance's concurrency and labels
-    suffixed :data:`~dhisparse_planner.claims.LONG` (100K) and :data:`~dhisparse_planner.claims.DP`."""
+    suffixed :data:`~dhisparse_planner.claims.LONG` (100K) and :data:`~dhisparse_planner.claims.DP`.
+
+    ``hw``, ``speculation``, ``admission`` and ``requests_per_client`` are the paper scenario's unless changed (the
+    ablation, ``scripts/planner_ablation.py``, reverts one fix of issue 28 at a time through them)."""
 
     input_tokens: int
     configs: tuple[str, ...]
     concurrencies: tuple[int, ...]
     locality: LocalityModel
     attention_dp: int = 1
+    hw: HardwareSpec = H200
+    speculation: SpeculationModel = SPEC
+    admission: tuple[tuple[str, TokenBudget], ...] = ADMISSION
+    requests_per_client: int = PAPER_REQUESTS_PER_CLIENT
 
     @property
     def model(self) -> ModelSpec:
@@ -100,14 +112,15 @@ class Sweep:
         per_rank = tuple(c // self.attention_dp for c in self.concurrencies)
         if min(per_rank) < 1 or any(c % self.attention_dp for c in self.concurrencies):
             raise ValueError(f"Sweep: concurrencies {self.concurrencies} must be multiples of {self.attention_dp}")
-        return glm_grid(self.input_tokens, per_rank, (self.locality.overlap,), self.configs, self.locality)
+        return glm_grid(self.input_tokens, per_rank, (self.locality.overlap,), self.configs, self.locality,
+                        self.speculation, self.admission, self.requests_per_client)
 
     def jobs(self) -> list[Job]:
-        return [Job(H200, self.model, s, w, SCALE) for _, _, _, s, w, new in grid_points(self.grid(), self.model)
+        return [Job(self.hw, self.model, s, w, SCALE) for _, _, _, s, w, new in grid_points(self.grid(), self.model)
                 if new]
 
     def run(self, log: bool = False) -> tuple[list[Row], dict[tuple[str, int, float], SimResult]]:
-        rows, results = run_grid(H200, self.model, self.grid(), log=log)
+        rows, results = run_grid(self.hw, self.model, self.grid(), log=log)
         dp, sfx = self.attention_dp, self.suffix
         out = [dict(r, label=f"{r['label']}{sfx}", concurrency=int(float(r["concurrency"])) * dp) for r in rows]
         return out, {(k[0] + sfx, k[1] * dp, k[2]): v for k, v in results.items()}

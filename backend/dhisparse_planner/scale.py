@@ -84,6 +84,11 @@ def _layout(num_layers: int, group: int, row_bytes: int, key_dim: int, topk: int
                     index_groups=groups)
 
 
+def byte_factor(model: ModelSpec, scale: ScaleSpec) -> float:
+    """``F``: real bytes (and rows) per simulated one, ``(S_r / S_s) * g`` (module docstring)."""
+    return model.num_layers / min(model.num_layers, scale.index_groups * model.index_group_size) * scale.token_scale
+
+
 UNBOUNDED_HOST_BYTES = 1 << 60  # a host store no workload fills (never the machine the planner runs on)
 
 

@@ -17,6 +17,10 @@ Shortening (DSpark, ``dhisparse.spec.drafters.dspark.confident_prefix_length``):
 ``busy_batch`` requests, only the leading draft tokens whose cumulative confidence ``prod_{j<=i} c_j`` is at
 least ``min_confidence`` are verified. The planner takes the confidence head as calibrated (``c_j = alpha``),
 so the verified draft length is ``floor(log(min_confidence) / log(alpha))`` capped at ``gamma``.
+
+``unsourced_alpha`` (a :class:`DecayingAlpha`) replaces the sourced figures by the rule the planner used before
+issue 28 (``alpha = 0.75 - 0.03`` per doubling of context beyond 4K, floor 0.3, no source), for the ablation only
+(``scripts/planner_ablation.py``).
 """
 
 from __future__ import annotations
@@ -62,6 +66,27 @@ ACCEPTANCE = {
 }
 
 
+@dataclass(frozen=True)
+class DecayingAlpha:
+    """The pre-issue-28 acceptance rule (no source): ``alpha(L) = max(floor, at_ref - per_doubling *
+    log2(max(1, L / ref_context_tokens)))`` per draft token, whatever ``gamma``."""
+
+    at_ref: float = 0.75
+    per_doubling: float = 0.03
+    ref_context_tokens: int = 4096
+    floor: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.floor <= self.at_ref < 1.0 or self.per_doubling < 0 or self.ref_context_tokens < 1:
+            raise ValueError(f"DecayingAlpha: need 0 <= floor <= at_ref < 1, per_doubling >= 0 and "
+                             f"ref_context_tokens >= 1, got {self}")
+
+    def at(self, context_tokens: torch.Tensor) -> torch.Tensor:
+        """``alpha(L)`` for real contexts ``[B]`` (float64)."""
+        ratio = torch.clamp(context_tokens.to(torch.float64) / self.ref_context_tokens, min=1.0)
+        return torch.clamp(self.at_ref - self.per_doubling * torch.log2(ratio), min=self.floor)
+
+
 def geometric_mean_accepted(alpha: torch.Tensor, gamma: int) -> torch.Tensor:
     """Mean accepted tokens per step ``1 + alpha + ... + alpha^gamma`` (float64)."""
     powers = alpha.unsqueeze(-1) ** torch.arange(gamma + 1, dtype=torch.float64)
@@ -92,6 +117,7 @@ class SpeculationModel:
             engine's ``dspark_busy_batch``).
         min_confidence: cumulative-confidence threshold used when busy (0..1; the engine's
             ``dspark_busy_confidence``).
+        unsourced_alpha: None (the sourced figures), or the pre-issue-28 rule (module docstring; ablation only).
     """
 
     drafter: str = "dflash2"
@@ -103,6 +129,7 @@ class SpeculationModel:
     source_gamma: int = ACCEPTANCE["dflash2"].gamma
     busy_batch: int = defaults.DSPARK_BUSY_BATCH
     min_confidence: float = defaults.DSPARK_BUSY_CONFIDENCE
+    unsourced_alpha: DecayingAlpha | None = None
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -155,6 +182,8 @@ class SpeculationModel:
 
     def accept_prob_at(self, context_tokens: torch.Tensor) -> torch.Tensor:
         """``alpha(L)`` for real context lengths ``[B]`` (float64)."""
+        if self.unsourced_alpha is not None:
+            return self.unsourced_alpha.at(context_tokens)
         return alpha_for(self.accept_len_at(context_tokens), self.source_gamma)
 
     def mean_accepted(self, context_tokens: torch.Tensor) -> torch.Tensor:
