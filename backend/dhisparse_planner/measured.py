@@ -4,6 +4,9 @@
 
 - ``gather_gbps``: host gathers by row bytes and batch (``{"656": {"128": 31.5, ...}, ...}``); the largest batch's
   figure for the model's row size replaces the modelled effective host link (``HardwareSpec.host_link_bytes_per_s``).
+  Without it, ``mapped_host.mapped_gather_<row bytes>B`` (the gather of rows from the host store mapped into the
+  device, records ``{"rows", "us", "gb_s"}``: what the committed ``docs/results/gpu_check/gpu_check.json`` has)
+  gives the rate the same way, at its largest row count.
 - ``glm5_stack``: the paper's experiment per layer on real hardware, as records ``{"policy": "hisparse",
   "speculative": null | "dflash2", "batch": 128, "history": 32768, "layer_step_ms": 0.61, "host_share": 0.13}``
   (a list, or the same nested by policy label / batch / history). A record gives the measured decode (or
@@ -13,7 +16,8 @@
 
 :func:`measured_claims` turns the records into the headline ratios they allow (same batch and history for both
 sides; speculative output per step from the speculation model), so the claims table can say which rows rest on
-measurements. ``commit`` names the code the figures came from.
+measurements. ``commit`` names the code the figures came from ("not recorded" when the file has none). A file
+needs ``glm5_stack`` or a gather rate for the model's rows.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from dhisparse_planner.specs import HardwareSpec, ModelSpec
 from dhisparse_planner.speculation import SpeculationModel
 from dhisparse_planner.timing import weight_bytes_read
 
-REQUIRED = ("commit", "glm5_stack")
+NO_COMMIT = "not recorded"
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,14 @@ class StackPoint:
 @dataclass(frozen=True)
 class Measured:
     """What the planner takes from one GPU check: its ``commit``, ``source`` file, the measured host-gather rate
-    for the model's rows (bytes/s, or None) and the stack's points."""
+    for the model's rows (bytes/s, or None), where that rate comes from (``gather_note``: key and row count) and
+    the stack's points."""
 
     commit: str
     source: str
     gather_bytes_per_s: float | None
     stack: tuple[StackPoint, ...]
+    gather_note: str = ""
 
     def point(self, label: str, batch: int, history: int) -> StackPoint | None:
         return next((p for p in self.stack if (p.label, p.batch, p.history) == (label, batch, history)), None)
@@ -72,14 +78,33 @@ def _records(stack: object) -> list[dict]:
     return out
 
 
+def gather_rate(data: dict, row_bytes: int) -> tuple[float, str] | None:
+    """The measured host-gather rate for rows of ``row_bytes`` (bytes/s) and where it comes from, or None:
+    ``gather_gbps`` at its largest batch, else ``mapped_host.mapped_gather_<row_bytes>B`` at its largest row count."""
+    by_rows = data.get("gather_gbps", {}).get(str(row_bytes))
+    if by_rows:
+        batch = max(by_rows, key=lambda b: int(b))
+        return 1e9 * float(by_rows[batch]), f"gather_gbps[{row_bytes}][{batch}]"
+    mapped = (data.get("mapped_host") or {}).get(f"mapped_gather_{row_bytes}B")
+    if mapped:
+        for i, r in enumerate(mapped):
+            if "rows" not in r or "gb_s" not in r or not float(r["gb_s"]) > 0:
+                raise ValueError(f"mapped_host.mapped_gather_{row_bytes}B record {i} needs rows and gb_s > 0, got {r}")
+        top = max(mapped, key=lambda r: int(r["rows"]))
+        return 1e9 * float(top["gb_s"]), f"mapped_host.mapped_gather_{row_bytes}B at {int(top['rows']):,} rows"
+    return None
+
+
 def load_measured(path: Path, row_bytes: int) -> Measured:
-    """Read a GPU check's JSON; ValueError naming the key at fault when it lacks what the planner needs."""
+    """Read a GPU check's JSON; ValueError naming the key at fault when it lacks what the planner needs
+    (``glm5_stack`` or a gather rate for ``row_bytes`` rows)."""
     data = json.loads(Path(path).read_text())
-    missing = [k for k in REQUIRED if k not in data]
-    if missing:
-        raise ValueError(f"{path}: no {', '.join(missing)} (issue 25's keys: commit, gather_gbps, glm5_stack, ...)")
+    rate = gather_rate(data, row_bytes)
+    if "glm5_stack" not in data and rate is None:
+        raise ValueError(f"{path}: no glm5_stack and no gather rate for {row_bytes}-byte rows (issue 25's keys: "
+                         f"commit, gather_gbps, glm5_stack; or mapped_host.mapped_gather_{row_bytes}B)")
     points = []
-    for i, r in enumerate(_records(data["glm5_stack"])):
+    for i, r in enumerate(_records(data.get("glm5_stack", []))):
         for key in ("policy", "batch", "history", "layer_step_ms"):
             if key not in r:
                 raise ValueError(f"{path}: glm5_stack record {i} has no {key!r}")
@@ -88,11 +113,8 @@ def load_measured(path: Path, row_bytes: int) -> Measured:
         label = str(r["policy"]) + (f"+{r['speculative']}" if r.get("speculative") else "")
         points.append(StackPoint(label, int(r["batch"]), int(r["history"]), float(r["layer_step_ms"]),
                                  float(r.get("host_share", float("nan")))))
-    gather = None
-    by_rows = data.get("gather_gbps", {}).get(str(row_bytes))
-    if by_rows:
-        gather = 1e9 * float(by_rows[max(by_rows, key=lambda b: int(b))])
-    return Measured(str(data["commit"]), str(path), gather, tuple(points))
+    gather, note = rate if rate is not None else (None, "")
+    return Measured(str(data.get("commit", NO_COMMIT)), str(path), gather, tuple(points), note)
 
 
 def with_measured_link(hw: HardwareSpec, measured: Measured) -> HardwareSpec:
@@ -139,13 +161,15 @@ def measured_claims(measured: Measured, hw: HardwareSpec, model: ModelSpec,
     return out
 
 
-def newest_gpu_check(folder: Path) -> Path | None:
-    """The newest ``*.json`` of ``folder`` that carries ``glm5_stack`` (None: no measured stack yet)."""
+def newest_gpu_check(folder: Path, row_bytes: int | None = None) -> Path | None:
+    """The newest ``*.json`` of ``folder`` that carries ``glm5_stack`` or, given ``row_bytes``, a gather rate for
+    such rows (None: nothing measured yet)."""
     found = []
     for path in sorted(Path(folder).glob("*.json")):
         try:
-            if "glm5_stack" in json.loads(path.read_text()):
+            data = json.loads(path.read_text())
+            if "glm5_stack" in data or (row_bytes is not None and gather_rate(data, row_bytes) is not None):
                 found.append(path)
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError, AttributeError):
             continue
     return found[-1] if found else None

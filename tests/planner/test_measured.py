@@ -1,5 +1,6 @@
 """``--measured FILE``: GPU-check figures in place of modelled ones. No GPU check with ``glm5_stack`` exists yet
-(issue 25); these tests use a fixture of that shape (tests/planner/data/gpu_check_glm5_stack.json)."""
+(issue 25); these tests use a fixture of that shape (tests/planner/data/gpu_check_glm5_stack.json), and the committed
+check (docs/results/gpu_check/gpu_check.json) for its measured host-gather rate."""
 
 from __future__ import annotations
 
@@ -59,3 +60,32 @@ def test_the_newest_check_with_a_stack_is_found(tmp_path: Path) -> None:
     assert newest_gpu_check(tmp_path) is None
     (tmp_path / "2026-02-01.json").write_text(FIXTURE.read_text())
     assert newest_gpu_check(tmp_path) == tmp_path / "2026-02-01.json"
+
+
+COMMITTED = Path(__file__).resolve().parents[2] / "docs" / "results" / "gpu_check"
+
+
+def test_the_committed_gpu_check_gives_its_mapped_host_gather_rate_without_a_stack() -> None:
+    """docs/results/gpu_check/gpu_check.json (an H200, no glm5_stack: skipped for time) measured the gather of
+    656-byte rows from the mapped host store: 24.1 GB/s at 6,400 rows, its largest row count, is the link."""
+    got = load_measured(COMMITTED / "gpu_check.json", M.row_bytes)
+    assert got.stack == () and got.commit == "not recorded"
+    assert got.gather_bytes_per_s == pytest.approx(24.12e9, rel=1e-3)
+    assert got.gather_note == "mapped_host.mapped_gather_656B at 6,400 rows"
+    assert with_measured_link(H200, got).host_link_bytes_per_s == got.gather_bytes_per_s
+    assert measured_claims(got, H200, M, paper.SPEC) == {}  # no stack: no measured step ratios
+    assert newest_gpu_check(COMMITTED, M.row_bytes) == COMMITTED / "gpu_check.json"
+    assert newest_gpu_check(COMMITTED) is None  # a stack is asked for
+
+
+def test_gather_gbps_wins_over_the_mapped_gather_and_bad_records_are_named(tmp_path: Path) -> None:
+    mapped = {"mapped_gather_656B": [{"rows": 100, "gb_s": 0.5}, {"rows": 6400, "gb_s": 24.0}]}
+    path = tmp_path / "check.json"
+    path.write_text(json.dumps({"gather_gbps": {"656": {"8": 5.0, "128": 30.0}}, "mapped_host": mapped}))
+    assert load_measured(path, M.row_bytes).gather_bytes_per_s == 30e9
+    path.write_text(json.dumps({"mapped_host": {"mapped_gather_656B": [{"rows": 10}]}}))
+    with pytest.raises(ValueError, match="mapped_gather_656B record 0"):
+        load_measured(path, M.row_bytes)
+    path.write_text(json.dumps({"mapped_host": mapped}))
+    with pytest.raises(ValueError, match="no glm5_stack and no gather rate for 576-byte rows"):
+        load_measured(path, 576)
