@@ -14,6 +14,9 @@ Per request (:class:`V4RequestKV`), after ``length`` tokens:
 A layer that reuses another layer's KV source (``cfg.source_of``) reads that layer's ``entries``; it keeps no
 compressor state and writes no entries of its own.
 
+``restored`` (prefix reuse, ``prefix.py``): the entries of windows complete within the first ``restored`` tokens came
+from the prefix cache; a prefill that recomputes positions before ``restored`` keeps them (never rewrites them).
+
 :class:`V4StepKV` serves one batched forward of ``Q`` new tokens per request. It builds the per-step
 "extended" tensors (stored state followed by the new tokens) that the attention and compressors index, and
 ``commit`` keeps what the accepted tokens leave behind. It loops over the requests of a batch (never over rows):
@@ -52,6 +55,7 @@ class V4RequestKV:
 
     def __init__(self, cfg: DeepseekV4Config, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         self.cfg, self.length = cfg, 0
+        self.restored = 0  # tokens whose complete windows' entries are restored (kept by add_entries)
         w = cfg.sliding_window - 1
         self.window = [torch.zeros(w, cfg.head_dim, dtype=dtype, device=device)
                        for _ in range(cfg.num_hidden_layers)]
@@ -127,13 +131,16 @@ class V4StepKV:
         return ext_kv, ext_gate
 
     def add_entries(self, key: Key, first: torch.Tensor, counts: torch.Tensor, entries: torch.Tensor) -> None:
-        """Store ``counts[b]`` new entries ``entries[b, :counts[b]]`` at indices ``first[b] …``."""
+        """Store ``counts[b]`` new entries ``entries[b, :counts[b]]`` at indices ``first[b] …`` (those below the
+        request's restored entries are kept)."""
+        rate = self.stores[0].cfg.compress_rate(key[0]) if self.stores else 1
         for b, s in enumerate(self.stores):
             n = int(counts[b])
-            if n:
-                f = int(first[b])
+            f = int(first[b])
+            skip = min(n, max(0, s.restored // rate - f))
+            if n > skip:
                 table = s.reserve(key, f + n)
-                table[f:f + n] = entries[b, :n].to(table.dtype)
+                table[f + skip:f + n] = entries[b, skip:n].to(table.dtype)
 
     def entries(self, key: Key, rate: int) -> torch.Tensor:
         """Every entry complete after this step's tokens, ``[B, Emax, d]`` (rows past a request's count are

@@ -125,21 +125,34 @@ class DeepseekV4Model:
     @torch.inference_mode()
     def prefill(self, token_ids: list[int] | torch.Tensor, *, chunk_tokens: int = 512,
                 capture_hidden: tuple[int, ...] = (), all_logits: bool = False, capacity: int | None = None,
-                on_chunk: Callable[[int], None] | None = None) -> V4PrefillOutput:
+                on_chunk: Callable[[int], None] | None = None, store: V4RequestKV | None = None, start: int = 0
+                ) -> V4PrefillOutput:
         """Prefill one prompt chunk by chunk into a fresh state (entry tables sized for ``capacity`` tokens,
         default the prompt; they grow). Chunking does not change results beyond float32 rounding of the
         reference's own float32 parts (mHC, norms). ``on_chunk(start)`` is called before each chunk's forward
-        (the engine's fault injection)."""
+        (the engine's fault injection).
+
+        ``store``/``start`` (prefix reuse, ``prefix.py``): continue ``store``, a state of ``start`` tokens whose
+        restored entries it keeps (``prefix.restored_state``); only positions ``start ..`` are computed, in chunks on
+        the grid of ``chunk_tokens`` a full prefill uses (the first ends at the next multiple), and hidden states and
+        logits cover those positions only."""
         ids = to_device(token_ids, torch.int64, self.device).view(-1)
         total = ids.numel()
-        state = self.new_state(capacity or total)
+        if not 0 <= start < total:
+            raise ValueError(f"prefill start {start} must be in 0 .. {total - 1} (at least one token is computed)")
+        if store is None and start:
+            raise ValueError("a prefill after a cached prefix needs the restored state (prefix.restored_state)")
+        if store is not None and store.length != start:
+            raise ValueError(f"the restored state holds {store.length} tokens, the prefill starts at {start}")
+        state = store if store is not None else self.new_state(capacity or total)
         parts: list[torch.Tensor] = []
         hidden: dict[int, list[torch.Tensor]] = {i: [] for i in capture_hidden}
         result = None
-        for start in range(0, total, chunk_tokens):
+        bounds = [start, *range((start // chunk_tokens + 1) * chunk_tokens, total, chunk_tokens), total]
+        for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
             if on_chunk is not None:
-                on_chunk(start)
-            chunk = ids[start:start + chunk_tokens]
+                on_chunk(begin)
+            chunk = ids[begin:end]
             step = V4StepKV([state], chunk.numel(), self.device)
             result = self.forward(chunk.unsqueeze(0), None, step, all_logits=all_logits, capture_hidden=capture_hidden)
             step.commit()
