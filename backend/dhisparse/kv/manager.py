@@ -53,6 +53,7 @@ from dhisparse.kv.invariants import check_manager_invariants
 from dhisparse.kv.prefill_stream import StreamedPrefillKV
 from dhisparse.kv.prefix_cache import CachedPage
 from dhisparse.kv.prefix_reuse import PrefixReuse
+from dhisparse.kv.prefix_rows import IDENTITY, PrefixRows
 from dhisparse.kv.request_state import RequestKV
 from dhisparse.kv.residency import back_up_complete_pages, map_tail_pages, unmap_rejected
 from dhisparse.kv.resolution import StepResolution, choose_resolution
@@ -68,7 +69,7 @@ class KVManager:
     def __init__(self, layout: KVLayout, config: KVConfig, device: torch.device | str = "cpu",
                  poison_freed: bool = False, debug_checks: bool = False, host_chunk_bytes: int | None = None,
                  kernels: KernelSelection | None = None, stream_prefill: bool = True,
-                 copy_fault_hook: Callable[[str], None] | None = None) -> None:
+                 copy_fault_hook: Callable[[str], None] | None = None, prefix_rows: PrefixRows = IDENTITY) -> None:
         config.validate_for(layout)
         # Which kernels run the request path (dhisparse.kernels.selection; torch by default) and, from them, which
         # implementation resolves a step (kv/resolution/), chosen once here (and again if the selection is replaced).
@@ -114,8 +115,9 @@ class KVManager:
         self._group_of_layer = tuple(layout.group_of_layer(layer) for layer in range(layout.num_layers))
         self._staging_slot_of_layer = tuple(layout.staging_slot_of_layer(layer) for layer in range(layout.num_layers))
         # Prefix reuse where a hit is exact: the streamed prefill (host store, native rows) and native keys.
+        # ``prefix_rows``: rows vs tokens in the cache, and the model state a page carries (kv/prefix_rows.py).
         self.prefix = PrefixReuse(layout, config, self.pool, self.host, verify=poison_freed, enabled=(
-            config.prefix_reuse and self.stream_prefill and layout.index_key_format == "native"))
+            config.prefix_reuse and self.stream_prefill and layout.index_key_format == "native"), rows=prefix_rows)
 
     # ---------------------------------------------------------------------------------------- admission
     def footprint(self, prompt_len: int, max_new_tokens: int) -> Footprint:
