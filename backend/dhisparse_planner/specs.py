@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dhisparse.kv.fp8 import fp8_key_bytes, fp8_row_bytes
+from dhisparse.spec.published import DrafterFootprint, drafter_footprint, reference_config
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -178,6 +179,7 @@ class DrafterSpec:
         flops_per_token: drafter FLOPs per proposed token.
         ring_bytes: the draft ring buffer of one request (bytes): the drafter's visible window of context rows;
             with verification staging it is the request's speculative state (required memory).
+        max_draft_tokens: drafts one verification step can carry (the drafter's block; 0: not given).
         confidence_head: whether the drafter scores its own drafts (DSpark), so a busy scheduler can verify only
             the confident prefix (:meth:`dhisparse_planner.speculation.SpeculationModel.verify_lengths`).
         source: where the figures come from.
@@ -190,13 +192,16 @@ class DrafterSpec:
     extra: dict = field(default_factory=dict, compare=False)
     ring_bytes: float = 0.0
     confidence_head: bool = False
+    max_draft_tokens: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
         if self.name not in ("dflash2", "dspark"):
             raise ValueError(f"drafter name must be 'dflash2' or 'dspark', got {self.name!r}")
-        if self.weight_bytes < 0 or self.pass_overhead_s < 0 or self.flops_per_token < 0 or self.ring_bytes < 0:
-            raise ValueError("drafter weight_bytes, pass_overhead_s, flops_per_token and ring_bytes must be >= 0")
+        if (self.weight_bytes < 0 or self.pass_overhead_s < 0 or self.flops_per_token < 0 or self.ring_bytes < 0
+                or self.max_draft_tokens < 0):
+            raise ValueError("drafter weight_bytes, pass_overhead_s, flops_per_token, ring_bytes and max_draft_tokens "
+                             "must be >= 0")
 
 
 def mla_moe_params(hidden: int, layers: int, heads: int, q_lora: int, kv_lora: int, qk_nope: int, qk_rope: int,
@@ -317,29 +322,53 @@ DSV32 = ModelSpec(
             "parameters from its config.json (mla_moe_params)."),
 )
 
-# Drafter shapes from published checkpoints (ring = the drafter's visible window of KV, required memory per request).
-# DFlash2: five sliding-window draft layers over a 2,048-token window (lablup/mlxcel PR #1762: "five sliding-attention
-# layers ... |q - k| <= 2048"; memra-engine's DflashCfg: n_layer 5, n_kv 8, head_dim 128, sliding_window 2048), Qwen3
-# shaped with 8 KV heads x 128 (z-lab DFlash drafter configs: num_key_value_heads 8, head_dim 128), bf16, K and V:
-# 5 x 2,048 x 2 x 8 x 128 x 2 B = 40 MiB. Weights: incoai/GLM-5.3-Flash-DFlash2 is 2.34 GB in bf16
-# (tonyd2wild/GLM-5.3-Flash-NVFP4-DFlash2-2x-DGX-Spark issue #7), 1.17B parameters.
-DFLASH2_LAYERS, DFLASH2_WINDOW, DFLASH2_KV_DIM, _BF16 = 5, 2048, 8 * 128, 2
-DFLASH2_RING_BYTES = DFLASH2_LAYERS * DFLASH2_WINDOW * 2 * DFLASH2_KV_DIM * _BF16
-# DSpark (DeepSeek-V4): a 3-stage drafter (vllm-project/vllm issue #56797: dspark_block_size 5, 3 stages) whose
-# stages attend a 128-token sliding window (V4's sliding_window) of V4's single K=V latent row, 584 B in FP8
-# (FlashMLA's V4 layout, dhisparse_planner.deepseek_v4): 3 x 128 x 584 B = 219 KiB.
-DSPARK_STAGES, DSPARK_WINDOW, DSPARK_ROW_BYTES = 3, 128, 584
-DSPARK_RING_BYTES = DSPARK_STAGES * DSPARK_WINDOW * DSPARK_ROW_BYTES
+# Drafter shapes from the published drafters' own config.json (dhisparse.spec.published.reference_configs, sources
+# there): ring = the positions the drafter can see x its layers x its KV row, priced by the runtime's
+# drafter_footprint (what the engine's ring holds, less its one discard row), and the block (drafts per verification
+# step, which sizes the staging).
+# DFlash2 for GLM-5.x: incoai/GLM-5.3-DFlash2, six sliding_attention layers of 8 KV heads x 128 (bf16 K and V) over
+# sliding_window 2,048. Under vLLM's and transformers' window rule a query sees itself and the 2,047 positions before
+# it; the block's first query is the last token (a block row), so the ring holds 2,047 context positions:
+# 6 x 2,047 x 2 x 8 x 128 x 2 B = 50,307,072 B (48 MiB). Block 8: 7 drafts.
+# DSpark for DeepSeek-V4: deepseek-ai/DeepSeek-V4-Flash-DSpark, three mtp stages, each a V4 attention layer over
+# sliding_window 128 of one K=V latent row (head_dim 512, 64 RoPE). Served V4 keeps that window in FlashMLA's FP8 row
+# (448 e4m3 + 64 bf16 + 8 scale bytes = 584 B, the row the V4 target preset prices too), so 3 x 128 x 584 B =
+# 224,256 B; this runtime keeps the rows in the model dtype (3 x 128 x 512 x 2 B: docs/drafters.md). Block 5.
+# Weights and pass costs below are not from the configs: 2.34 GB is incoai/GLM-5.3-*Flash*-DFlash2's file (the full
+# GLM-5.3-DFlash2 above is 4.92 GB, not used here yet); the DSpark figures are assumptions.
+_BF16 = 2
+_DRAFTER_MAX_CONTEXT = 1 << 20  # bounds a full-attention drafter's ring; both drafters here are window-bounded
+DFLASH2_FOOTPRINT = drafter_footprint(reference_config("glm-5.3-dflash2"), max_context=_DRAFTER_MAX_CONTEXT,
+                                      bytes_per_value=_BF16)
+DSPARK_FOOTPRINT = drafter_footprint(reference_config("deepseek-v4-flash-dspark"), max_context=_DRAFTER_MAX_CONTEXT,
+                                     v4_fp8_rows=True)
+
+
+def _window_rows(fp: DrafterFootprint) -> int:
+    if fp.window_rows is None:
+        raise ValueError(f"{fp.fmt} drafter has a full-attention layer: its ring is not window-bounded")
+    return fp.window_rows
+
+
+DFLASH2_LAYERS, DFLASH2_WINDOW = DFLASH2_FOOTPRINT.layers, _window_rows(DFLASH2_FOOTPRINT)  # window: ring positions
+DFLASH2_KV_DIM = DFLASH2_FOOTPRINT.row_values // (2 * DFLASH2_LAYERS)  # K (or V) values of one layer and position
+DFLASH2_RING_BYTES = DFLASH2_FOOTPRINT.ring_bytes
+DSPARK_STAGES, DSPARK_WINDOW = DSPARK_FOOTPRINT.layers, _window_rows(DSPARK_FOOTPRINT)
+DSPARK_ROW_BYTES = DSPARK_FOOTPRINT.row_bytes // DSPARK_STAGES
+DSPARK_RING_BYTES = DSPARK_FOOTPRINT.ring_bytes
 DRAFTERS = {
     "dflash2": DrafterSpec("dflash2", weight_bytes=2.34e9, pass_overhead_s=0.002, flops_per_token=2 * 1.17e9,
-                           ring_bytes=DFLASH2_RING_BYTES,
-                           source=("DFlash2 shape: 5 sliding-window layers, window 2,048, 8 KV heads x 128, bf16 "
-                                   "(40 MiB ring); 2.34 GB of weights (incoai/GLM-5.3-Flash-DFlash2). ASSUMED: "
-                                   "2 ms per draft pass")),
+                           ring_bytes=DFLASH2_RING_BYTES, max_draft_tokens=DFLASH2_FOOTPRINT.max_gamma,
+                           source=("DFlash2 shape from incoai/GLM-5.3-DFlash2's config: 6 sliding-window layers, "
+                                   "window 2,048 (2,047 context positions), 8 KV heads x 128, bf16 (48 MiB ring), "
+                                   "block 8; 2.34 GB of weights (incoai/GLM-5.3-Flash-DFlash2). ASSUMED: 2 ms per "
+                                   "draft pass")),
     "dspark": DrafterSpec("dspark", weight_bytes=1.5e9, pass_overhead_s=0.0015, flops_per_token=2 * 0.75e9,
-                          ring_bytes=DSPARK_RING_BYTES, confidence_head=True,
-                          source=("DSpark shape: 3 stages over a 128-token window of 584-byte FP8 rows (219 KiB "
-                                  "ring). ASSUMED: 1.5 GB of weights, 1.5 ms per draft pass")),
+                          ring_bytes=DSPARK_RING_BYTES, max_draft_tokens=DSPARK_FOOTPRINT.max_gamma,
+                          confidence_head=True,
+                          source=("DSpark shape from deepseek-ai/DeepSeek-V4-Flash-DSpark's config: 3 stages over "
+                                  "a 128-token window of 584-byte FP8 rows (219 KiB ring), block 5. ASSUMED: 1.5 GB "
+                                  "of weights, 1.5 ms per draft pass")),
 }
 
 HARDWARE_PRESETS = {"h200": H200, "rtx-pro-6000": RTX_PRO_6000}
