@@ -97,14 +97,14 @@ def test_the_trust_check_refuses_every_crafted_case(tiny_engine) -> None:
                                 page_rows=4, pool_bytes=1 << 24)
     try:
         genuine = service.run(PROMPTS[0], PARAMS, "genuine")
-        check_context(genuine, engine, PROMPTS[0])  # the genuine params pass
+        check_context(genuine, engine.layout_template, PROMPTS[0])  # the genuine params pass
         for name, crafted in _crafted(genuine).items():
             if name == "region_addr + 1 GiB":
                 continue  # only the signature vouches for the address (tests/disagg/test_params.py)
             with pytest.raises(InvalidRequestError, match="context_phase_params"):
-                check_context(crafted, engine, PROMPTS[0])
+                check_context(crafted, engine.layout_template, PROMPTS[0])
         with pytest.raises(InvalidRequestError, match="another prompt"):
-            check_context(genuine, engine, [(t + 1) % 300 for t in PROMPTS[0]])
+            check_context(genuine, engine.layout_template, [(t + 1) % 300 for t in PROMPTS[0]])
     finally:
         engine.importer.close()
         service.close()

@@ -12,6 +12,10 @@
   registered (they never move) and registers a buffer per READ for the metadata part; one READ per request,
   with the request key as notification, posted and then polled (the decode engine steps other requests
   meanwhile) until it is done, failed, or ``timeout_s`` has passed.
+- Several readers of one region (the tensor-parallel ranks of a generation engine each READ the same history): each
+  reader's importer is told its place (``reader`` of ``readers``) and notifies with the request key plus
+  :func:`reader_mark`; the exporter frees the region once every reader's notification arrived (a plain key, sent by
+  a single reader or by :meth:`NixlImporter.release_remote`, frees it at once).
 
 Failures raise :class:`TransferError` with the reason; nothing stays registered for a failed READ on the
 decode side, and the exporter frees its region on the notification or the deadline, whichever first.
@@ -33,6 +37,24 @@ from dhisparse.errors import DHiSparseError
 
 class TransferError(DHiSparseError):
     """A history transfer failed or timed out; the message says which request and why."""
+
+
+READER_MARK = "\x1freader="  # separates a request key from "<reader>/<readers>" in a READ's notification
+
+
+def reader_mark(reader: int, readers: int) -> str:
+    """The suffix one of several readers of a region adds to the request key in its READ's notification."""
+    return f"{READER_MARK}{reader}/{readers}"
+
+
+def parse_notification(message: str) -> tuple[str, int, int]:
+    """``(request key, reader, readers)`` of a READ's notification (``(key, 0, 1)`` for a plain key)."""
+    key, mark, part = message.rpartition(READER_MARK)
+    if mark:
+        reader, _, readers = part.partition("/")
+        if reader.isdigit() and readers.isdigit() and int(reader) < int(readers):
+            return key, int(reader), int(readers)
+    return message, 0, 1
 
 
 def _nixl() -> Any:
@@ -66,6 +88,7 @@ class NixlExporter:
         self.agent = _agent(name)
         self._arenas: list[tuple[torch.Tensor, Any, bytes, ArenaRanges]] = []  # buffer, registration, metadata
         self._held: dict[str, tuple[int, int, int, float]] = {}  # key -> (arena, offset, bytes, deadline)
+        self._readers_done: dict[str, set[int]] = {}  # key -> readers whose READ completed (several readers)
         self.counters = {"regions_published": 0.0, "regions_released": 0.0, "regions_expired": 0.0,
                          "regions_cancelled": 0.0, "bytes_published": 0.0}
 
@@ -108,11 +131,17 @@ class NixlExporter:
         return buffer[offset : offset + nbytes], metadata
 
     def poll(self) -> list[str]:
-        """Release regions whose READ completed (notification) or whose deadline passed; returns the keys."""
+        """Release regions whose READ completed (notification; with several readers, every reader's) or whose
+        deadline passed; returns the keys."""
         released = []
         for messages in self.agent.get_new_notifs().values():
             for message in messages:
-                key = message.decode(errors="replace")
+                key, reader, readers = parse_notification(message.decode(errors="replace"))
+                if readers > 1 and key in self._held:
+                    done = self._readers_done.setdefault(key, set())
+                    done.add(reader)
+                    if len(done) < readers:
+                        continue
                 if self._release(key):
                     self.counters["regions_released"] += 1
                     released.append(key)
@@ -133,6 +162,7 @@ class NixlExporter:
         return keys
 
     def _release(self, key: str) -> bool:
+        self._readers_done.pop(key, None)
         held = self._held.pop(key, None)
         if held is None:
             return False
@@ -146,6 +176,7 @@ class NixlExporter:
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "regions_held": float(len(self._held)),
+                "regions_partly_read": float(len(self._readers_done)),  # several readers, not all done yet
                 "bytes_held": float(sum(n for _, _, n, _ in self._held.values())),
                 "arena_bytes": float(sum(b.numel() for b, _, _, _ in self._arenas))}
 
@@ -159,7 +190,7 @@ class NixlExporter:
 
 @dataclass
 class PendingRead:
-    """A READ in flight: its NIXL handle, the local buffers it writes, and its deadline."""
+    """A READ in flight: its NIXL handle (None: it never started), the local buffers it writes, and its deadline."""
 
     context: ContextPhaseParams
     handle: Any
@@ -175,11 +206,15 @@ class NixlImporter:
     A READ is posted (:meth:`post`), polled (:meth:`check`) and finished (:meth:`finish`), so the decode engine
     can keep stepping other requests while it is in flight; :meth:`read` does the three in one call. Persistent
     memory (the host store's chunks, which never move) is registered once and stays registered; per-transfer
-    buffers (:meth:`buffer`) are registered for one READ and deregistered when it is finished."""
+    buffers (:meth:`buffer`) are registered for one READ and deregistered when it is finished. ``reader`` of
+    ``readers``: this importer's place among the importers that READ every region (tensor-parallel ranks)."""
 
-    def __init__(self, name: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str, timeout_s: float = 30.0, reader: int = 0, readers: int = 1) -> None:
+        if not 0 <= reader < readers:
+            raise ValueError(f"reader {reader} must lie in [0, readers = {readers})")
         self.name = name
         self.timeout_s = timeout_s
+        self.mark = reader_mark(reader, readers) if readers > 1 else ""
         self.agent = _agent(name)
         self._remotes: dict[str, set[bytes]] = {}  # agent name -> the (partial) metadata loaded for it
         self._registered: dict[int, tuple[torch.Tensor, Any]] = {}  # data_ptr -> (tensor, registration)
@@ -244,7 +279,8 @@ class NixlImporter:
                                                         zeros], axis=1), "DRAM")
             remote = self.agent.get_xfer_descs(np.stack([(remote_offsets + context.region_addr).astype(np.int64),
                                                          lengths.astype(np.int64), zeros], axis=1), "DRAM")
-            handle = self.agent.initialize_xfer("READ", local, remote, remote_name, context.request_key.encode())
+            handle = self.agent.initialize_xfer("READ", local, remote, remote_name,
+                                                (context.request_key + self.mark).encode())
         except TransferError:
             self._deregister(buffers)
             raise
@@ -299,10 +335,11 @@ class NixlImporter:
         if not pending.finished:
             pending.finished = True
             self._in_flight[pending.context.agent_name] -= 1
-        try:
-            self.agent.release_xfer_handle(pending.handle)
-        except Exception:
-            pass  # a failed transfer's handle may already be gone; nothing else to free
+        if pending.handle is not None:  # None: a READ that never started (imports.py, tensor-parallel ranks)
+            try:
+                self.agent.release_xfer_handle(pending.handle)
+            except Exception:
+                pass  # a failed transfer's handle may already be gone; nothing else to free
         self._deregister(pending.buffers)
 
     def read(self, context: ContextPhaseParams, persistent: list[torch.Tensor], buffers: list[torch.Tensor],

@@ -35,6 +35,7 @@ from typing import Any
 
 from dhisparse.disagg.decode import DecodeEngine
 from dhisparse.disagg.params import ContextPhaseParams
+from dhisparse.disagg.ranks import ParallelDecodeEngine
 from dhisparse.disagg.trust import ImportLedger, check_context
 from dhisparse.errors import EngineDeadError
 from dhisparse.serving.drain import DrainWatch
@@ -50,9 +51,9 @@ _CANCELLED = object()
 class GenerationService:
     """Serve imported requests from a :class:`DecodeEngine` (see the module docstring)."""
 
-    def __init__(self, pb: Any, engine: DecodeEngine, metrics: EngineMetrics | None, interval_s: float = 0.25,
-                 idle_wait_s: float = 0.01, on_engine_dead: Callable[[str], None] | None = None,
-                 drain: DrainWatch | None = None) -> None:
+    def __init__(self, pb: Any, engine: DecodeEngine | ParallelDecodeEngine, metrics: EngineMetrics | None,
+                 interval_s: float = 0.25, idle_wait_s: float = 0.01,
+                 on_engine_dead: Callable[[str], None] | None = None, drain: DrainWatch | None = None) -> None:
         self._pb, self.engine, self._metrics = pb, engine, metrics
         self._drain, self._ledger = drain, ImportLedger()
         self._on_engine_dead = on_engine_dead
@@ -80,7 +81,7 @@ class GenerationService:
         if self._drain is not None:
             self._drain.refuse_new_requests()
         self.engine.validate(prompt, request.params)
-        check_context(context, self.engine, prompt)  # the params fit this engine and this request
+        check_context(context, self.engine.layout_template, prompt)  # the params fit this engine and this request
         self._ledger.take(context)  # and were not imported before
         request_id = f"gen-{next(self._ids)}"
         updates: queue.Queue = queue.Queue()
@@ -264,4 +265,4 @@ class GenerationService:
         self._stop.set()
         self._wake.set()
         self._thread.join(10.0)
-        self.engine.importer.close()
+        self.engine.close()

@@ -37,8 +37,9 @@ def load_engine_parts(engine_dir: str | Path, max_slots: int | None = None, shar
     config = load_engine_config(engine_dir, **runtime_overrides)
     if config.world_size > 1 and shard is None:
         raise ConfigError(f"tensor_parallel_size {config.tensor_parallel_size} x data_parallel_size "
-                          f"{config.data_parallel_size}: several ranks are started by LLM / dhisparse-serve "
-                          "(engine/parallel); this component runs one process")
+                          f"{config.data_parallel_size}: several ranks are started by LLM / dhisparse-serve and "
+                          "by the disaggregated generation role (engine/parallel, disagg/ranks.py); this component "
+                          "(e.g. the context role) runs one process")
     model_cfg = read_any_config(engine_dir)
     device = resolve_device(config.device)
     weights = load_any_state_dict(engine_dir, model_cfg, config.torch_dtype)

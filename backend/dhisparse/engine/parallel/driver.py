@@ -27,6 +27,7 @@ import torch
 
 from dhisparse.device import resolve_device
 from dhisparse.engine.config import EngineConfig
+from dhisparse.engine.parallel.imports import RankImports
 from dhisparse.engine.parallel.launch import RankFailure, RankProcesses, rendezvous
 from dhisparse.engine.parallel.messages import (
     Abort,
@@ -68,10 +69,12 @@ def least_loaded(demand: list[int], running: list[int]) -> int:
 
 class ParallelEngine:
     """``LLMEngine``'s API over the ranks of ``config`` (``world_size > 1``). ``overrides``: runtime options the
-    ranks apply to the engine directory's ``runtime.json`` (the same that made ``config``)."""
+    ranks apply to the engine directory's ``runtime.json`` (the same that made ``config``). ``imports``: the ranks'
+    source of imported prompts (a disaggregated generation engine, ``engine/parallel/imports.py``); its requests
+    are added with ``add_request(…, imported=…)``."""
 
-    def __init__(self, engine_dir: str | Path, config: EngineConfig, overrides: dict[str, Any], threads: int = 1
-                 ) -> None:
+    def __init__(self, engine_dir: str | Path, config: EngineConfig, overrides: dict[str, Any], threads: int = 1,
+                 imports: RankImports | None = None) -> None:
         self.shape = ParallelShape.of(config)
         model_cfg = read_any_config(Path(engine_dir))
         self.shape.check_model(model_cfg)  # a clear error before any process starts
@@ -79,7 +82,7 @@ class ParallelEngine:
         addr, port, local = rendezvous(self.shape.world_size)
         backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         launch = RankLaunch(str(engine_dir), dict(overrides), self.shape, addr, port, config.collective_timeout_s,
-                            threads, config_digest(engine_dir), local, drills_from_env(), backend)
+                            threads, config_digest(engine_dir), local, drills_from_env(), backend, imports)
         self.ranks = RankProcesses(launch)
         self._step_timeout_s = max(READY_TIMEOUT_FLOOR_S, 20 * config.collective_timeout_s)
         self._lock = threading.Lock()  # one command in flight (the loop thread steps, submitters validate)
@@ -107,6 +110,7 @@ class ParallelEngine:
         self.eos_token_ids = set(model_cfg.eos_token_id)
         self.hosts = [r.host for r in readies]
         self._rank_stats = [r.stats for r in readies]
+        self.imports_description = first.imports  # RankImports.describe of rank 0 (None: prompts prefilled)
 
     # ------------------------------------------------------------------------------------------- requests
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -124,7 +128,9 @@ class ParallelEngine:
             raise InvalidRequestError(f"this request can never fit the KV pool: {self._never[key]}")
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    *, seed: int | None = None) -> str:
+                    *, seed: int | None = None, imported: Any = None) -> str:
+        """Queue a request (validated first) on the data-parallel group with the least KV demand; returns its id.
+        ``imported``: a generation engine's request, the context phase its ranks import (``RankImports.queue``)."""
         prompt = [int(t) for t in prompt_token_ids]
         self.validate(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -137,7 +143,7 @@ class ParallelEngine:
         self._demand[group] += len(prompt) + params.max_tokens
         self._running[group] += 1
         self.requests[request_id] = Request(request_id, prompt, params, seed)
-        self._ops.append(Add(request_id, prompt, params, seed, group))
+        self._ops.append(Add(request_id, prompt, params, seed, group, imported))
         self.counters["requests_placed"] += 1
         return request_id
 

@@ -104,6 +104,20 @@ class RankCollectives(Collectives):
         self.volume[f"{layer}_all_to_all"] += (self.world - 1) * send_counts.element_size()
         return recv.tolist()
 
+    def gather_codes(self, codes: list[int], layer: str) -> list[list[int]]:
+        """Every rank's ``codes`` (small integers; one list per rank, in rank order), outside any forward. The
+        lengths are checked first: ranks that disagree on how many they hold have diverged
+        (:class:`CollectiveError`)."""
+        self.usable()
+        lengths = self.all_gather(torch.tensor([len(codes)], dtype=torch.int64, device=self.device), layer)
+        if any(int(n) != len(codes) for n in lengths):
+            self.broken = f"tensor-parallel ranks diverged: {layer} lists of {[int(n) for n in lengths]} entries"
+            raise CollectiveError(f"rank {self.rank}: {self.broken}")
+        if not codes:
+            return [[] for _ in range(self.world)]
+        parts = self.all_gather(torch.tensor(codes, dtype=torch.int64, device=self.device), layer)
+        return [[int(c) for c in part.tolist()] for part in parts]
+
     # ------------------------------------------------------------------------------- the model's seam
     def usable(self) -> None:
         """Raise :class:`CollectiveError` when this rank's collectives can no longer be paired with its peers': one

@@ -22,6 +22,7 @@ class Add:
     params: SamplingParams
     seed: int
     group: int  # the data-parallel group (attention ranks) that owns the request
+    imported: Any = None  # a generation engine's request: its context phase's parameters (engine/parallel/imports.py)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ class Ready:
     max_new_tokens_limit: int
     stats: dict[str, float]
     host: str
+    imports: Any = None  # RankImports.describe of a generation engine's rank (None: prompts are prefilled here)
 
 
 @dataclass

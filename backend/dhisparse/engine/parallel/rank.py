@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.loading import load_engine_parts
 from dhisparse.engine.parallel.group import CollectiveError, RankCollectives
+from dhisparse.engine.parallel.imports import RankImports
 from dhisparse.engine.parallel.messages import (
     Abort,
     Add,
@@ -46,6 +47,7 @@ from dhisparse.engine.parallel.messages import (
 from dhisparse.engine.parallel.model import parallelize
 from dhisparse.engine.parallel.shape import ParallelShape
 from dhisparse.engine.parallel.sharding import shard_weights
+from dhisparse.engine.prompts import LocalPrefill
 from dhisparse.engine.request import RequestUpdate
 from dhisparse.errors import EngineDeadError, InvalidRequestError
 from dhisparse.kv.factory import agree_copy_completion
@@ -73,6 +75,7 @@ class RankLaunch:
     local_ranks: tuple[int, ...] = field(default=())
     drills: dict[str, dict[str, Any]] = field(default_factory=dict)  # DRILL_ENV of the driver: per-rank overrides
     backend: str = "gloo"  # the data collectives' backend: "nccl" when the engine's device is a GPU
+    imports: RankImports | None = None  # a generation engine's source of imported prompts (None: prefill here)
 
 
 def drills_from_env() -> dict[str, dict[str, Any]]:
@@ -103,7 +106,9 @@ class RankWorker:
         config, model, speculator = load_engine_parts(launch.engine_dir, shard=shard, **overrides)
         self.comm = RankCollectives(launch.shape, rank, model.device, group)
         self.idle_forward = parallelize(model, launch.shape, self.comm)
-        self.engine = LLMEngine(model, config, speculator)
+        self.imports = launch.imports
+        prompts = LocalPrefill if self.imports is None else self.imports.prompts(rank, self.comm)
+        self.engine = LLMEngine(model, config, speculator, prompts=prompts)
         if launch.shape.tensor_parallel_size > 1:  # every rank must take the same KV decisions: not by event timing
             agree_copy_completion(self.engine.kv)
         self.group = launch.shape.dp_rank(rank)
@@ -111,7 +116,7 @@ class RankWorker:
     def ready(self) -> Ready:
         e = self.engine
         return Ready(self.rank, e.cfg, e.workspace, e.max_model_len, e.max_new_tokens_limit, self.stats(),
-                     socket.gethostname())
+                     socket.gethostname(), None if self.imports is None else self.imports.describe(e))
 
     def stats(self) -> dict[str, float]:
         return {**self.engine.stats(), **self.comm.stats(), "process_id": float(os.getpid())}
@@ -146,7 +151,12 @@ class RankWorker:
                 continue
             if isinstance(op, Add):
                 try:
-                    self.engine.add_request(op.prompt, op.params, op.request_id, seed=op.seed)
+                    if op.imported is None:
+                        self.engine.add_request(op.prompt, op.params, op.request_id, seed=op.seed)
+                    elif self.imports is None:
+                        raise InvalidRequestError("this engine prefills its prompts: it imports no context phase")
+                    else:  # a generation engine's request: every rank that holds it checks its params again
+                        self.imports.queue(self.engine, op.request_id, op.prompt, op.params, op.imported)
                 except (InvalidRequestError, EngineDeadError) as exc:
                     updates.append(RequestUpdate(op.request_id, [], True, "error", error=str(exc)))
             elif isinstance(op, Abort) and self.engine.abort_request(op.request_id, op.reason):

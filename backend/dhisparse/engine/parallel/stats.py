@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dhisparse.engine.parallel.shape import ParallelShape
 
 PER_RANK = ("process_id", "kv_pool_bytes", "kv_required_bytes", "kv_optional_bytes", "kv_spare_bytes",
-            "kv_host_pages_used", "requests_running", "requests_waiting", "workspace_bound_bytes")
+            "kv_host_pages_used", "requests_running", "requests_waiting", "workspace_bound_bytes",
+            "transfers", "transfer_bytes", "transfers_failed")  # a generation engine's READs: each rank its own
 RANK_ONLY = ("process_id",)  # a rank's own figures, never summed into the engine's
 LARGEST = ("spec_ring_bytes_per_request", "spec_staging_bytes_per_request", "engine_dead")
 
