@@ -27,6 +27,12 @@ window (accepted), else a zero row that ``end_step`` rolls back (accepted 0) —
 verification uses. So host store, pages, hot cache and tail hold exactly one row per compressed entry.
 A verification step of ``Q`` tokens opens ``ceil(Q / rate)`` rows per request (at most that many windows
 complete) and keeps those completed by the accepted tokens.
+
+Prefix reuse (``hisparse``, ``adaptive``; ``kv/prefix_v4.py``): a cached page is its rows plus the indexer keys and
+HCA entries of the windows its tokens complete; a hit restores every compressed entry of its pages
+(:meth:`V4HierarchyKVStore.prefill_kv` builds the state the prefill restarts from) and the prefill recomputes the
+sliding windows and pending projections from ``model.deepseek_v4.prefix.restart_position`` on. A released request's
+slot stays until the manager frees its memory (its decoded pages register from it).
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ from dhisparse.kv.config import KVConfig, KVLayout
 from dhisparse.kv.copies import CopyError
 from dhisparse.kv.manager import KVManager
 from dhisparse.kv.policies import DENSE, KVPolicy
+from dhisparse.kv.prefix_v4 import V4PrefixRows
 from dhisparse.kv.step import StepKV
 from dhisparse.kv.store import HostRowsTarget, KVMemory, PromptRows
 from dhisparse.model.deepseek_v4.config import CSA, DeepseekV4Config
 from dhisparse.model.deepseek_v4.kv_state import Key, V4RequestKV, state_keys
+from dhisparse.model.deepseek_v4.prefix import restored_state
 from dhisparse.model.deepseek_v4.state_pool import V4PooledStepKV, V4StatePool
 
 
@@ -228,14 +236,16 @@ class V4HierarchyKVStore:
         item = dtype.itemsize
         self.state_bytes = tail_state_bytes(cfg, max_model_len, row_bytes=cfg.head_dim * item,
                                             index_key_bytes=cfg.index_head_dim * item, pending_value_bytes=item)
-        # No prefix reuse for V4 (docs/prefix_reuse.md): a hit could not restore the sliding window and the
-        # compressor's pending state from cached entries, so every prompt is prefilled in full.
-        kv_config = KVConfig(**{**kv_config.__dict__, "prefix_reuse": False,
+        kv_config = KVConfig(**{**kv_config.__dict__,
                                 "model_state_bytes": kv_config.model_state_bytes + self.state_bytes})
-        self.inner = KVManager(self.layout, kv_config, device, **manager_options)  # type: ignore[arg-type]
+        self.prefix_rows = V4PrefixRows(cfg, kv_config.page_rows, self._entry_tables, self._forgotten)
+        self.inner = KVManager(self.layout, kv_config, device, prefix_rows=self.prefix_rows,
+                               **manager_options)  # type: ignore[arg-type]
         in_hierarchy = {(layer, "kv") for layer in self.kv_layer}
         self.pool = V4StatePool(cfg, dtype, device, entry_keys={k for k in state_keys(cfg) if k not in in_hierarchy})
         self.slots: dict[str, int] = {}
+        self.released: dict[str, int] = {}  # released requests' slots, kept until the manager frees them
+        self.restart: dict[str, int] = {}  # admitted with a hit: the position their prefill restarts at
         self.step: V4HierarchyStepKV | None = None
         self._step_ids: list[str] = []
 
@@ -258,16 +268,41 @@ class V4HierarchyKVStore:
                 "raise pool_bytes, or lower reserve_bytes, max_new_tokens or max_model_len")
 
     def try_admit(self, request_id: str, prompt_len: int, max_new_tokens: int) -> bool:
-        return self.inner.try_admit(request_id, *entry_rows(prompt_len, max_new_tokens, self.rate))
+        if not self.inner.try_admit(request_id, *entry_rows(prompt_len, max_new_tokens, self.rate)):
+            return False
+        hit = self.prefix_rows.hits.get(request_id)
+        if hit is not None:  # the admission hit hit.shape[0] cached pages
+            rows = self.prefix_rows
+            self.restart[request_id] = rows.reused_tokens(rows.page_end(hit.shape[0], self.inner.config.page_rows))
+        return True
 
     def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
-        return None  # no prefix reuse for DeepSeek-V4 (docs/prefix_reuse.md: window and compressor state)
+        """The request's token ids (prompt before ``try_admit``, whole sequence before ``release``): page keys over
+        the tokens each page's entries depend on (``kv/prefix_v4.py``)."""
+        self.inner.set_token_ids(request_id, token_ids, reuse)
 
     def cached_prefix_tokens(self, request_id: str) -> int:
-        return 0
+        """Where the prefill starts: the restart position of the request's hit (0 without one)."""
+        return self.restart.get(request_id, 0)
 
-    def prefill_kv(self, request_id: str, chunk_tokens: int) -> None:
-        return None  # the V4 prefill builds its whole state locally
+    def prefill_kv(self, request_id: str, chunk_tokens: int) -> V4RequestKV | None:
+        """With a hit, the state the prefill restarts from (``prefix.restored_state``): the hit's CSA entries from its
+        cached pages' host rows, its indexer keys and HCA entries from their packed state; else ``None`` (the
+        prefill builds its whole state)."""
+        hit = self.prefix_rows.take_hit(request_id)
+        if hit is None:
+            return None
+        hit_tokens, entries = hit
+        target = self.inner.import_target(request_id)
+        assert target is not None, "a hit implies a host store"
+        n = hit_tokens // self.rate
+        cached = target.rows.index_select(0, target.row_index[:, 1:n + 1].reshape(-1))
+        cached = cached.view(self.layout.num_sources, n, self.cfg.head_dim)
+        for layer, k in self.kv_layer.items():
+            if self.cfg.source_of(layer) == layer:
+                entries[(layer, "kv")] = cached[self.layout.source_of_layer[k]]
+        return restored_state(self.cfg, hit_tokens, self.layout.dtype, self.device, self.restart[request_id],
+                              hit_tokens, entries)
 
     def import_target(self, request_id: str) -> HostRowsTarget | None:
         return None
@@ -275,16 +310,37 @@ class V4HierarchyKVStore:
     def import_prompt(self, request_id: str, rows: PromptRows | None,
                       index_keys: Mapping[int, torch.Tensor] | None) -> None:
         """Move the prefilled state's CSA entries into the hierarchy (rows ``1 … E``); keep the rest of the
-        state as the request's required tail."""
+        state as the request's required tail. With prefix reuse the rows past a hit's are written to the request's
+        host pages (the hit's are shared and never written) and imported from there, which registers its pages."""
         state = _v4_state(rows)
+        self.restart.pop(request_id, None)
         n = state.length // self.rate
         sources = torch.zeros(self.layout.num_sources, n + 1, self.cfg.head_dim, dtype=self.layout.dtype,
                               device=self.device)
         for layer, k in self.kv_layer.items():
             if self.cfg.source_of(layer) == layer:
                 sources[self.layout.source_of_layer[k], 1:] = state.entries.pop((layer, "kv"))[:n]
-        self.inner.import_prompt(request_id, sources, {})
-        self.slots[request_id] = self.pool.load(state)
+        self.slots[request_id] = self.pool.load(state)  # before the import: registration reads its entries
+        target = self.inner.import_target(request_id) if self.inner.prefix.enabled else None
+        if target is None:
+            self.inner.import_prompt(request_id, sources, {})
+            return
+        new = target.row_index[:, target.cached_rows:]
+        target.rows.index_copy_(0, new.reshape(-1), sources[:, target.cached_rows:].reshape(-1, self.cfg.head_dim)
+                                .cpu())
+        self.inner.import_prompt(request_id, None, None)
+
+    def _entry_tables(self, request_id: str) -> dict[Key, torch.Tensor]:
+        """The entry tables (``[capacity, d]`` per key kept outside the hierarchy) of a running or released request."""
+        slot = self.slots.get(request_id, self.released.get(request_id))
+        if slot is None:
+            raise KeyError(f"request {request_id!r} has no V4 state")
+        return {key: table[slot] for key, table in self.pool.entries.items()}
+
+    def _forgotten(self, request_id: str) -> None:
+        slot = self.released.pop(request_id, None)
+        if slot is not None:
+            self.pool.release(slot)
 
     def begin_step(self, request_ids: Sequence[str], query_len: int) -> V4HierarchyStepKV:
         inner = self.inner.begin_step(request_ids, -(-query_len // self.rate))  # entries one step may complete
@@ -314,9 +370,13 @@ class V4HierarchyKVStore:
         return list(self._step_ids) if self.step is not None else self.inner.owners_of(failure)
 
     def release(self, request_id: str) -> None:
+        """Release in the hierarchy; the request's slot is freed when the manager frees its memory (``_forgotten``:
+        the pages decoding completed are registered from it first)."""
+        self.restart.pop(request_id, None)
+        self.prefix_rows.hits.pop(request_id, None)
         slot = self.slots.pop(request_id, None)
         if slot is not None:
-            self.pool.release(slot)
+            self.released[request_id] = slot
         self.inner.release(request_id)
 
     def poll(self) -> None:

@@ -88,7 +88,8 @@ def _deepseek_v4_store(model_cfg: DeepseekV4Config, policy: KVPolicy, dtype: tor
         page_rows=kv_config.page_rows, reserve_bytes=kv_config.reserve_bytes,
         refill_pages_per_step=kv_config.refill_pages_per_step,
         max_query_len=-(-max_query_len // model_cfg.compress_rate_csa), draft_ring_bytes=kv_config.draft_ring_bytes,
-        host_bytes=kv_config.host_bytes,
+        host_bytes=kv_config.host_bytes, prefix_reuse=kv_config.prefix_reuse,
+        prefix_min_suffix_tokens=kv_config.prefix_min_suffix_tokens, prefix_model_key=kv_config.prefix_model_key,
     )
     return V4HierarchyKVStore(model_cfg, v4_config, dtype, device, max_model_len, copy_fault_hook=copy_fault_hook)
 

@@ -1,6 +1,7 @@
 """The prefix cache's index: content-addressed full pages shared by reference count across requests.
 
-**Keys.** A request's token ids are cut into pages of ``page_rows`` tokens; only *full* pages have a key. Page
+**Keys.** A request's token ids are cut into pages of ``page_rows`` tokens (a model whose rows are not tokens says
+which tokens a page spans: ``kv/prefix_rows.py``); only *full* pages have a key. Page
 ``i``'s key is ``blake2b(key[i-1] || token ids of page i)`` (32 bytes) and ``key[-1] = blake2b(salt)``, where the salt
 names the model, the KV dtype, the row and key layout and ``page_rows`` (:func:`cache_salt`). So a key names a page
 *and every token before it*: two requests share page ``i`` only if their first ``(i + 1) * page_rows`` tokens are
@@ -31,6 +32,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from dhisparse.kv.prefix_rows import IDENTITY, PrefixRows
 
 KEY_BYTES = 32
 
@@ -67,15 +70,16 @@ def cache_salt(*parts: object) -> bytes:
     return repr(parts).encode()
 
 
-def page_keys(token_ids: Sequence[int], page_rows: int, salt: bytes) -> list[bytes]:
-    """Chain keys of the full pages of ``token_ids`` (``len(token_ids) // page_rows`` of them)."""
-    pages = len(token_ids) // page_rows
-    data = array.array("q", token_ids[: pages * page_rows]).tobytes()
-    step = page_rows * 8
+def page_keys(token_ids: Sequence[int], page_rows: int, salt: bytes, rows: PrefixRows = IDENTITY) -> list[bytes]:
+    """Chain keys of the full pages of ``token_ids`` (``rows.pages_within(len(token_ids))`` of them); page ``i`` is
+    hashed over the token ids of its span (``rows.page_end``: ``page_rows`` tokens each with one row per token)."""
+    pages = rows.pages_within(len(token_ids), page_rows)
+    ends = [rows.page_end(i, page_rows) for i in range(pages + 1)]
+    data = array.array("q", token_ids[: ends[-1]]).tobytes()
     key = hashlib.blake2b(salt, digest_size=KEY_BYTES).digest()
     keys = []
     for i in range(pages):
-        key = hashlib.blake2b(key + data[i * step:(i + 1) * step], digest_size=KEY_BYTES).digest()
+        key = hashlib.blake2b(key + data[ends[i] * 8:ends[i + 1] * 8], digest_size=KEY_BYTES).digest()
         keys.append(key)
     return keys
 

@@ -21,6 +21,11 @@ Life of a page (each step is a call from :class:`~dhisparse.kv.manager.KVManager
    ``on_free`` registers the complete pages decoding added (the engine passed the whole sequence), gives the
    references back and returns the private host pages to free.
 
+A model whose rows are not tokens, or whose pages carry more state than rows and keys, passes a
+:class:`~dhisparse.kv.prefix_rows.PrefixRows` (``rows``): page spans in tokens, the tokens a hit saves, the state saved
+and loaded with each page (DeepSeek-V4, ``kv/prefix_v4.py``). Token counts (statistics, ``min_suffix``) are tokens;
+``RequestKV.prefix_reused_tokens`` is the hit's *rows* (where its prefill and imports start writing rows).
+
 Registration stops at the first page already cached or not host-valid (a request's holds stay a prefix), or when no
 host page for its keys can be found. Statistics: ``prefix_lookup_tokens`` (prompt tokens looked up at admission),
 ``prefix_reused_tokens`` (of those, found cached), ``prefix_registered_pages``, ``prefix_evicted_pages`` (engine-wide
@@ -41,6 +46,7 @@ from dhisparse.kv.host_store import HOST_VALID, HostMemoryError, HostStore
 from dhisparse.kv.prefix_cache import CachedPage, PrefixCache, cache_salt, page_keys
 from dhisparse.kv.prefix_device import DeviceCopies, map_cached_copies, publish_copies, unmap_shared
 from dhisparse.kv.prefix_keys import key_host_pages, load_prefix_keys, save_page_keys
+from dhisparse.kv.prefix_rows import IDENTITY, PrefixRows
 from dhisparse.kv.request_state import RequestKV
 
 COUNTERS = ("prefix_lookup_tokens", "prefix_reused_tokens", "prefix_hits", "prefix_registered_pages",
@@ -51,16 +57,17 @@ class PrefixReuse:
     """The prefix cache of one :class:`~dhisparse.kv.manager.KVManager` (see the module docstring)."""
 
     def __init__(self, layout: KVLayout, config: KVConfig, pool: DevicePool, host: HostStore, enabled: bool,
-                 verify: bool = False) -> None:
-        self.layout, self.pool, self.host = layout, pool, host
+                 verify: bool = False, rows: PrefixRows = IDENTITY) -> None:
+        self.layout, self.pool, self.host, self.rows = layout, pool, host, rows
         self.enabled = enabled
         self.page_rows = config.page_rows
         self.min_suffix = max(1, config.prefix_min_suffix_tokens)
-        self.salt = cache_salt(config.prefix_model_key, layout, config.page_rows)
+        self.salt = cache_salt(config.prefix_model_key, layout, config.page_rows, *(
+            () if rows is IDENTITY else rows.describe()))
         self.verify = verify  # keep each entry's host rows at registration; check_invariants compares (tests)
         self.cache = PrefixCache()
         self.device = DeviceCopies(layout.num_sources)
-        self.key_pages_per_entry = key_host_pages(layout, config.page_rows)
+        self.key_pages_per_entry = key_host_pages(layout, config.page_rows, rows.state_values)
         self.tokens: dict[str, tuple[list[int], list[bytes]]] = {}  # request -> (token ids, page keys)
         self.no_lookup: set[str] = set()  # requests admitted without a lookup (set_token_ids(reuse=False))
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
@@ -79,20 +86,31 @@ class PrefixReuse:
         if known is not None and len(known[0]) == len(token_ids) and known[0] == list(token_ids):
             return
         tokens = [int(t) for t in token_ids]
-        self.tokens[request_id] = (tokens, page_keys(tokens, self.page_rows, self.salt))
+        self.tokens[request_id] = (tokens, page_keys(tokens, self.page_rows, self.salt, self.rows))
 
     def forget(self, request_id: str) -> None:
         self.tokens.pop(request_id, None)
         self.no_lookup.discard(request_id)
+        self.rows.forget(request_id)
+
+    def _prompt_tokens(self, tokens: list[int], prompt_len: int) -> int:
+        """The prompt's tokens, of a request whose prompt has ``prompt_len`` rows."""
+        if self.rows is IDENTITY:
+            return prompt_len
+        return min(len(tokens), (prompt_len - self.rows.lead_rows + 1) * self.rows.tokens_per_row - 1)
 
     # ------------------------------------------------------------------------------------------ admission
     def lookup(self, request_id: str, prompt_len: int) -> list[CachedPage]:
         """The cached entries of the longest reusable prefix of the request's prompt (none without tokens)."""
         known = self.tokens.get(request_id)
-        if known is None or len(known[0]) < prompt_len or request_id in self.no_lookup:
+        if known is None or self.rows.rows(len(known[0])) < prompt_len or request_id in self.no_lookup:
             return []
-        limit = max(0, prompt_len - self.min_suffix) // self.page_rows
-        return self.cache.match(known[1][:limit])
+        tokens = self._prompt_tokens(known[0], prompt_len)
+        limit = self.rows.pages_within(max(0, tokens - self.min_suffix), self.page_rows)
+        hit = self.cache.match(known[1][:limit])
+        if hit and self.rows.reused_tokens(self.rows.page_end(len(hit), self.page_rows)) == 0:
+            return []  # too short to save any computation (kv/prefix_rows.py)
+        return hit
 
     def make_host_room(self, count: int) -> bool:
         """Evict cached entries nobody holds (LRU leaves) until ``count`` host pages are free."""
@@ -123,18 +141,22 @@ class PrefixReuse:
 
     def admit(self, req: RequestKV, hit: list[CachedPage]) -> None:
         """``req`` was admitted with ``hit``: hold it, mark its host pages valid, copy its keys in, count."""
-        prompt_len = req.prompt_len
-        if req.request_id in self.tokens and req.request_id not in self.no_lookup:
-            self.counters["prefix_lookup_tokens"] += prompt_len
-            req.add_stat("prefix_lookup_tokens", prompt_len)
+        known = self.tokens.get(req.request_id)
+        if known is not None and req.request_id not in self.no_lookup:
+            prompt_tokens = self._prompt_tokens(known[0], req.prompt_len)
+            self.counters["prefix_lookup_tokens"] += prompt_tokens
+            req.add_stat("prefix_lookup_tokens", prompt_tokens)
         if not hit:
             return
         self.cache.hold(hit)
         req.prefix_held = list(hit)
         req.host_state[:, : len(hit)] = HOST_VALID
-        load_prefix_keys(self.pool, self.layout, self.host, req, [e.key_pages for e in hit])
-        reused = len(hit) * self.page_rows
-        req.prefix_reused_tokens = reused
+        state = load_prefix_keys(self.pool, self.layout, self.host, req, [e.key_pages for e in hit],
+                                 self.rows.state_values)
+        if state is not None:
+            self.rows.load_state(req.request_id, state)
+        req.prefix_reused_tokens = len(hit) * self.page_rows  # rows
+        reused = self.rows.reused_tokens(self.rows.page_end(len(hit), self.page_rows))
         req.add_stat("prefix_reused_tokens", reused)
         self.counters["prefix_reused_tokens"] += reused
         self.counters["prefix_hits"] += 1
@@ -170,7 +192,8 @@ class PrefixReuse:
                 break
             if key_pages is None:
                 break
-            save_page_keys(self.pool, self.layout, self.host, req, i, key_pages)
+            state = self.rows.save_state(req.request_id, i) if self.rows.state_values else None
+            save_page_keys(self.pool, self.layout, self.host, req, i, key_pages, state)
             entry = self.cache.insert(keys[i], held[-1] if held else None, req.host_pages[:, i].clone(), key_pages)
             if self.verify:
                 entry.snapshot = self.entry_rows(entry).clone()
@@ -202,7 +225,7 @@ class PrefixReuse:
         added, give its references back; returns its private host pages (``None`` without a host store)."""
         known = self.tokens.get(req.request_id)
         if known is not None and req.imported and self.enabled:
-            self.register(req, min(req.length, len(known[0])) // self.page_rows)
+            self.register(req, min(req.length, self.rows.rows(len(known[0]))) // self.page_rows)
         self.forget(req.request_id)
         if req.host_pages is None:
             return None

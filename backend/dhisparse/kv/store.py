@@ -124,9 +124,10 @@ class KVStore(Protocol):
         ...
 
     # -------------------------------------------------------------------------------------- prompts
-    def prefill_kv(self, request_id: str, chunk_tokens: int) -> PrefillKV | None:
+    def prefill_kv(self, request_id: str, chunk_tokens: int) -> PrefillKV | V4RequestKV | None:
         """A store the admitted request's prefill writes into chunk by chunk (the prompt streams into its host
-        pages), or ``None``: prefill over a local store and hand the rows to :meth:`import_prompt`."""
+        pages; DeepSeek-V4: the state a prefill after a cached prefix restarts from), or ``None``: prefill over a
+        local store and hand the rows to :meth:`import_prompt`."""
         ...
 
     def import_target(self, request_id: str) -> HostRowsTarget | None:
