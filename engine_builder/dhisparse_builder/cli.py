@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from dhisparse.engine.config import DTYPES, KV_POLICIES
+from dhisparse.engine.config import DTYPES
 from dhisparse.errors import DHiSparseError
+from dhisparse.kv.policies import ENGINE_POLICIES
 from dhisparse_builder.build import BuildOptions, build_engine
 
 
@@ -27,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="Jinja2 chat template for the OpenAI API's chat completions (written as chat_template.jinja; "
                         "default: the checkpoint's chat_template.jinja or tokenizer_config.json entry, if any)")
     g = p.add_argument_group("runtime defaults (runtime.json; each can be overridden by LLM(...) / dhisparse-serve)")
-    g.add_argument("--kv-policy", choices=KV_POLICIES, default=None)
+    g.add_argument("--kv-policy", choices=ENGINE_POLICIES, default=None)
     g.add_argument("--pool-bytes", type=lambda v: 0 if v == "auto" else int(v), default=None,
                    help="device KV pool budget in bytes, or 'auto' (sized from the free device memory at start)")
     g.add_argument("--hot-rows", type=int, default=None, help="hot-cache rows B per request and source")

@@ -12,10 +12,9 @@ import torch
 from dhisparse import defaults
 from dhisparse.errors import ConfigError
 from dhisparse.kv.config import KVConfig
-from dhisparse.kv.policies import ENGINE_POLICIES, KVPolicy, policy_named
+from dhisparse.kv.policies import KVPolicy, policy_named
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-KV_POLICIES = ENGINE_POLICIES  # the hierarchy's policies and the dense reference (dhisparse.kv.policies)
 SPECULATIVE = (None, "dflash", "dflash2", "dspark")  # drafter families (dhisparse.spec.published.formats)
 KV_DTYPES = ("auto", "fp8")
 KERNELS = ("auto", "cuda", "torch")  # dhisparse.kernels.selection

@@ -9,6 +9,7 @@ step back (``KVStore.abort_step``) and ends the requests it touched.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,10 +43,13 @@ class BatchSampling(NamedTuple):
     seeds: torch.Tensor  # int64 bit patterns of the requests' random streams
     counters: torch.Tensor  # int64, tokens generated so far (the stream position)
     processor: LogitsProcessor | None  # penalties / bias / bad words / min_tokens of the rows that ask for them
+    rows: tuple[torch.Tensor, ...] = ()  # the caller's own int64 rows ``[B]``, shipped in the same copy
 
     @classmethod
     def of(cls, batch: list[Request], device: torch.device, eos_token_ids: tuple[int, ...] = (),
-           vocab: int = 0) -> BatchSampling:
+           vocab: int = 0, rows: Sequence[Sequence[int | None]] = ()) -> BatchSampling:
+        """``rows``: further int64 vectors of the step ``[B]`` (token ids, positions) that travel with the
+        parameters' int64 copy (returned in ``rows``)."""
         params = [r.params for r in batch]
         processor = LogitsProcessor.build(
             params, [(r.prompt_token_ids, r.output_token_ids) for r in batch], [r.token_counts for r in batch],
@@ -53,9 +57,10 @@ class BatchSampling(NamedTuple):
         # Two copies per step (one per dtype), each row a view.
         temperature, top_p = to_device([[p.temperature for p in params], [p.top_p for p in params]], torch.float64,
                                        device).unbind(0)
-        top_k, seeds, counters = to_device([[p.top_k for p in params], [r.seed for r in batch],
-                                            [len(r.output_token_ids) for r in batch]], torch.int64, device).unbind(0)
-        return cls(temperature, top_k, top_p, seeds, counters, processor)
+        top_k, seeds, counters, *extra = to_device([[p.top_k for p in params], [r.seed for r in batch],
+                                                    [len(r.output_token_ids) for r in batch], *rows], torch.int64,
+                                                   device).unbind(0)
+        return cls(temperature, top_k, top_p, seeds, counters, processor, tuple(extra))
 
     def process(self, logits: torch.Tensor, draft: torch.Tensor | None = None) -> torch.Tensor:
         """``logits [B, Q, V]`` after each row's logit processing (unchanged rows are not copied when none)."""
@@ -91,8 +96,8 @@ class Executor:
         self.query_len = 1 + (spec.gamma if spec is not None else 0)
         self.counters: collections.Counter[str] = collections.Counter()  # steps, rows, prefill and draft tokens
 
-    def batch_sampling(self, batch: list[Request]) -> BatchSampling:
-        return BatchSampling.of(batch, self.device, self.eos_token_ids, self.vocab)
+    def batch_sampling(self, batch: list[Request], rows: Sequence[Sequence[int | None]] = ()) -> BatchSampling:
+        return BatchSampling.of(batch, self.device, self.eos_token_ids, self.vocab, rows)
 
     # -------------------------------------------------------------------------------------------- prefill
     def prefill(self, req: Request) -> Sampled:
@@ -136,11 +141,12 @@ class Executor:
         if self.faults.enabled and self.faults.fires("break_invariants"):
             self.kv.corrupt_accounting()
             raise RuntimeError("injected fault at break_invariants (pool accounting corrupted)")
-        ids, positions = to_device([[[r.output_token_ids[-1]] for r in batch], [[r.num_computed] for r in batch]],
-                                   torch.int64, self.device).unbind(0)  # one copy
+        # The token ids and positions travel with the sampling parameters' int64 copy.
+        sampling = self.batch_sampling(batch, ([r.output_token_ids[-1] for r in batch],
+                                               [r.num_computed for r in batch]))
+        ids, positions = sampling.rows[0].unsqueeze(1), sampling.rows[1].unsqueeze(1)
         step = self._faulty(self.kv.begin_step([r.request_id for r in batch], 1), "decode_forward")
         out = self.model.forward(ids, positions, step)  # type: ignore[arg-type]
-        sampling = self.batch_sampling(batch)
         processed = sampling.process(out.logits[:, -1].unsqueeze(1))[:, 0]
         tokens_t = sampling.sample(processed, all(r.params.temperature <= 0 for r in batch))
         # One host read per decode step: the sampled tokens together with the KV step's report.
@@ -168,9 +174,10 @@ class Executor:
         if self.faults.enabled and self.faults.fires("break_invariants"):
             self.kv.corrupt_accounting()
             raise RuntimeError("injected fault at break_invariants (pool accounting corrupted)")
-        slots, last = to_device([[r.spec_state for r in batch], [r.output_token_ids[-1] for r in batch]],
-                                torch.int64, dev).unbind(0)  # one copy
-        sampling = self.batch_sampling(batch)
+        # The drafter's slots, the last tokens and the positions travel with the sampling parameters' int64 copy.
+        sampling = self.batch_sampling(batch, ([r.spec_state for r in batch], [r.output_token_ids[-1] for r in batch],
+                                               [r.num_computed for r in batch]))
+        slots, last, base = sampling.rows
         if self.faults.enabled:
             self.faults.hit("draft_propose")
         draft, q_draft, lengths, confidence = spec.propose(slots, last, threshold, sampling.temperature,
@@ -180,7 +187,6 @@ class Executor:
         q_len = spec.gamma + 1 if confidence is None else self.kv.read(lengths.max())[0][0] + 1
         draft, q_draft = draft[:, : q_len - 1], q_draft[:, : q_len - 1]
         ids = torch.cat([last.unsqueeze(1), draft], dim=1)
-        base = to_device([r.num_computed for r in batch], torch.int64, dev)
         positions = base.unsqueeze(1) + torch.arange(q_len, device=dev)
         step = self._faulty(self.kv.begin_step([r.request_id for r in batch], q_len), "verify_forward")
         out = self.model.forward(ids, positions, step, all_logits=True,  # type: ignore[arg-type]

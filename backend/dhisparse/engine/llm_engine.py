@@ -40,17 +40,16 @@ log = logging.getLogger("dhisparse")
 
 class LLMEngine:
     """Owns the model's KV store, the scheduler, the executor and every request. Not thread-safe: one thread calls
-    ``step`` (``EngineLoop`` serialises access for servers). ``prompts`` builds the source of imported histories
-    from the executor (default: :class:`LocalPrefill`; disaggregated decode passes its transfer source).
-    ``wrap_kv`` wraps the KV store the engine builds (an observer such as the planner's trace recorder; it must
-    implement :class:`~dhisparse.kv.store.KVStore` and forward every call)."""
+    ``step`` (``EngineLoop`` serialises access for servers). ``prompts`` builds the source of imported histories from
+    the executor (default :class:`LocalPrefill`; disaggregated decode passes its transfer source). ``wrap_kv`` wraps
+    the KV store built here (an observer, e.g. the planner's trace recorder: a ``KVStore`` forwarding every call)."""
 
     def __init__(self, model: Model, cfg: EngineConfig, speculator: Speculator | None = None,
                  prompts: Callable[[Executor], PromptSource] = LocalPrefill,
                  wrap_kv: Callable[[KVStore], KVStore] | None = None) -> None:
         self.model, self.spec = model, speculator
-        self.max_model_len = min(cfg.max_model_len or model.cfg.max_position_embeddings,
-                                 model.cfg.max_position_embeddings)
+        positions = model.cfg.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or positions, positions)
         self.max_new_tokens_limit = cfg.max_new_tokens_limit or self.max_model_len
         self.eos_token_ids = set(model.cfg.eos_token_id)
         query_len = 1 + (speculator.gamma if speculator else 0)
@@ -65,8 +64,7 @@ class LLMEngine:
             copy_fault_hook=self.faults.copy_hook if self.faults.enabled else None)
         if cfg.agreed_copy_completion:  # tensor-parallel ranks turn it on themselves (engine/parallel/rank.py)
             agree_copy_completion(self.kv)
-        if wrap_kv is not None:
-            self.kv = wrap_kv(self.kv)
+        self.kv = wrap_kv(self.kv) if wrap_kv is not None else self.kv
         self.scheduler = Scheduler(
             self.kv, max_batch_size=cfg.max_batch_size, max_prefill_tokens_per_step=cfg.max_prefill_tokens_per_step,
             dspark_min_confidence=cfg.dspark_min_confidence, dspark_busy_confidence=cfg.dspark_busy_confidence,
@@ -144,7 +142,7 @@ class LLMEngine:
             if self.scheduler.arriving:  # prompts still arriving (disaggregated decode): progress them
                 for arrival in self.prompts.poll():
                     self._arrived(arrival, updates)
-            for admission in self.scheduler.admit():
+            for admission in self.scheduler.admit() if self.scheduler.waiting else ():
                 if admission.error is not None:  # a copy it completed failed (its owners end), or it is at fault
                     self._fail(admission.error, [admission.request], updates)
                 else:
@@ -230,20 +228,16 @@ class LLMEngine:
 
     # --------------------------------------------------------------------------------------------- outputs
     def _append(self, req: Request, sampled: Sampled, updates: list[RequestUpdate]) -> None:
-        """Append a step's tokens, stopping at a stop token or the length limit; stream them."""
+        """Append a step's tokens up to and including the first stop token (EOS too unless ignored) or the length
+        limit; stream them."""
         now = time.perf_counter()
-        if req.first_token_time is None:
-            req.first_token_time = now
-        new: list[int] = []
-        reason = None
+        req.first_token_time = now if req.first_token_time is None else req.first_token_time
         stops = req.stop_ids if req.params.ignore_eos else req.stop_ids | self.eos_token_ids
-        for t in sampled.tokens:
-            new.append(t)
-            if t in stops:
-                reason = "stop"
-                break
-            if len(req.output_token_ids) + len(new) >= req.params.max_tokens:
-                reason = "length"
+        room = req.params.max_tokens - len(req.output_token_ids)
+        new, reason = list(sampled.tokens), None
+        for i, t in enumerate(sampled.tokens):
+            if t in stops or i + 1 >= room:
+                new, reason = sampled.tokens[: i + 1], "stop" if t in stops else "length"
                 break
         req.output_token_ids.extend(new)
         self.counters["generated_tokens"] += len(new)
@@ -303,3 +297,4 @@ class LLMEngine:
         if self.workspace is not None:
             out["workspace_bound_bytes"] = float(self.workspace.total_bytes)
         return out
+

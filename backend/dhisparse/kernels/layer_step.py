@@ -34,7 +34,12 @@ import torch
 
 from dhisparse.kernels.reference import FP8_ROW_BYTES
 
-POLICIES = ("resident", "hisparse", "adaptive")
+# How each KV policy lays out a request's history in this benchmark: ``(share of history pages mapped on the
+# device, None: the case's resident_share; resolution by page-table lookups alone)``. The engine's policy objects
+# live in ``kv/policies.py``, a layer above ``kernels``; a case names its policy and reads its layout here.
+POLICY_LAYOUT: dict[str, tuple[float | None, bool]] = {
+    "resident": (1.0, True), "hisparse": (0.0, False), "adaptive": (None, False)}
+POLICIES = tuple(POLICY_LAYOUT)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,17 @@ class StackCase:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.batch < 1 or self.queries < 1 or self.sources < 1 or not 0.0 <= self.resident_share <= 1.0:
             raise ValueError(f"bad case {self}")
+
+    @property
+    def mapped_share(self) -> float:
+        """The share of history pages the policy keeps mapped on the device (the tail page always is)."""
+        share = POLICY_LAYOUT[self.policy][0]
+        return self.resident_share if share is None else share
+
+    @property
+    def direct_only(self) -> bool:
+        """Whether every history page is mapped, so resolution is page-table lookups (the engine's direct path)."""
+        return POLICY_LAYOUT[self.policy][1]
 
 
 def history_rows_needed(shape: LayerShape, batch: int, history: int, sources: int) -> int:
@@ -142,11 +158,10 @@ class LayerStack:
         staging = case.queries * shape.topk if case.queries > 1 else 0
         first_page = (torch.arange(b * s, device=device) * pages).view(b, s, 1)
         own_pages = first_page + torch.arange(pages, device=device)  # arena page = history page
-        if case.policy == "resident":
+        if case.direct_only:
             mapped = torch.ones(b, s, pages, dtype=torch.bool, device=device)
         else:
-            share = case.resident_share if case.policy == "adaptive" else 0.0
-            mapped = torch.rand(b, s, pages, device=device, generator=layout) < share
+            mapped = torch.rand(b, s, pages, device=device, generator=layout) < case.mapped_share
             mapped[:, :, -1] = True  # the tail page
         self.page_table = torch.where(mapped, own_pages, -1)
         self.host_pages = own_pages.clone()  # host store rows = history rows
@@ -195,7 +210,7 @@ class LayerStack:
         """Arena rows ``[S, B, Q*K]`` of ``positions`` for every source; fetches issued (same stream)."""
         b, s = self.case.batch, self.case.sources
         flat = positions.reshape(b, -1)
-        if self.case.policy == "resident":  # every page mapped: page-table lookups (the engine's direct path)
+        if self.case.direct_only:  # every page mapped: page-table lookups (the engine's direct path)
             p = self.shape.page_rows
             page = self.page_table.gather(2, (flat // p).unsqueeze(1).expand(b, s, -1))
             return (page * p + (flat % p).unsqueeze(1)).transpose(0, 1)

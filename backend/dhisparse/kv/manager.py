@@ -55,7 +55,7 @@ from dhisparse.kv.prefix_cache import CachedPage
 from dhisparse.kv.prefix_reuse import PrefixReuse
 from dhisparse.kv.prefix_rows import IDENTITY, PrefixRows
 from dhisparse.kv.request_state import RequestKV
-from dhisparse.kv.residency import back_up_complete_pages, map_tail_pages, unmap_rejected
+from dhisparse.kv.residency import back_up_step_pages, map_step_tail_pages, unmap_rejected
 from dhisparse.kv.resolution import StepResolution, choose_resolution
 from dhisparse.kv.resolution.common import FLAG_MESSAGES, StepParts
 from dhisparse.kv.stats import ENGINE_COUNTERS, REQUEST_COUNTERS, request_gauges
@@ -411,10 +411,7 @@ class KVManager:
             if req.length + query_len - 1 >= req.footprint.capacity_rows:
                 raise ValueError(f"request {req.request_id!r} would exceed prompt_len + max_new_tokens")
         try:
-            for req in reqs:
-                if req.import_ticket is not None:
-                    self.copies.wait(req.import_ticket)
-                map_tail_pages(req, req.length + query_len - 1, self.config.page_rows, self.copies, self.fence)
+            map_step_tail_pages(reqs, query_len, self.config.page_rows, self.copies, self.fence)
         except Exception:
             for req in reqs:  # a failed copy: no step opens, so no page past a request's length stays mapped
                 unmap_rejected(req, req.length + query_len, self.config.page_rows)
@@ -474,10 +471,7 @@ class KVManager:
         q = step.query_len
         if set(accepted) != {r.request_id for r in step.requests}:
             raise ValueError("end_step needs an accepted count for exactly the step's requests")
-        step.wait_fetches()  # prefetches of layers the model skipped must not outlive the step
-        if report is None:
-            report = self.sync.read(step.report())[0]
-        counts = step.check_report(report)
+        counts = step.finish(report)
         for b, req in enumerate(step.requests):
             keep = int(accepted[req.request_id])
             if not 0 <= keep <= q:
@@ -495,10 +489,9 @@ class KVManager:
                                 ("host_fetched_bytes", host * self._row_bytes)):
                 stats[name] = stats.get(name, 0.0) + value
                 counters[name] += value
-            if self.policy.uses_host:
-                n = back_up_complete_pages(req, self.pool, self.host, self.copies, self.fence,
-                                           self.config.page_rows)
-                self.counters["tail_pages_backed_up"] += n
+        if self.policy.uses_host:
+            self.counters["tail_pages_backed_up"] += back_up_step_pages(
+                step.requests, self.pool, self.host, self.copies, self.fence, self.config.page_rows)
         step.closed = True
         self.step = None
         self.fence.end()
@@ -550,11 +543,11 @@ class KVManager:
         self.check_budget()
 
     def _refill(self) -> None:
-        order = sorted(self.requests.values(), key=lambda r: r.admit_order)
         budget = self.config.refill_pages_per_step
-        if not order or budget == 0:
-            return
-        if self.pool.spare_bytes < self.pool.page_bytes and any(r.may_refill for r in order):
+        if budget == 0 or not any(r.may_refill for r in self.requests.values()):
+            return  # nothing to refill (a request may refill again once a page of it is absent with a host copy)
+        order = sorted(self.requests.values(), key=lambda r: r.admit_order)
+        if self.pool.spare_bytes < self.pool.page_bytes:
             self.prefix.evict_device(1)  # a cached device copy nobody maps makes room (freed after its readers)
         idle = 0
         i = self._refill_cursor % len(order)
@@ -573,7 +566,8 @@ class KVManager:
         self._refill_cursor = i
 
     def _free_safe(self) -> None:
-        self.prefix.free_retired(self.fence)
+        if self.prefix.device.retiring:  # the prefix cache's retired device copies (none: nothing to ask)
+            self.prefix.free_retired(self.fence)
         for req in self.requests.values():
             if req.retired_pending:
                 residency.free_retired_pages(req, self.pool, self.fence)

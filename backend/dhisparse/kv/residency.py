@@ -36,6 +36,8 @@ stays readable, so every row is ready on device or has a host copy at all times.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dhisparse.host_values import to_device
@@ -270,6 +272,22 @@ def map_tail_pages(req: RequestKV, last_position: int, page_rows: int, copies: C
         slot = i % ring
         fence.wait(int(req.ring_free_epoch[slot]))
         req.page_table[:, i] = to_device(req.tail_ring[:, slot], None, req.page_table.device)
+
+
+def map_step_tail_pages(reqs: Sequence[RequestKV], query_len: int, page_rows: int, copies: CopyEngine,
+                        fence: ReaderFence) -> None:
+    """Before a step of ``query_len`` new rows per request: complete each request's import, then
+    :func:`map_tail_pages` for its new rows (one call for the batch)."""
+    for req in reqs:
+        if req.import_ticket is not None:
+            copies.wait(req.import_ticket)
+        map_tail_pages(req, req.length + query_len - 1, page_rows, copies, fence)
+
+
+def back_up_step_pages(reqs: Sequence[RequestKV], pool: DevicePool, host: HostStore, copies: CopyEngine,
+                       fence: ReaderFence, page_rows: int) -> int:
+    """After a step: :func:`back_up_complete_pages` of every request of the batch. Returns pages issued."""
+    return sum(back_up_complete_pages(req, pool, host, copies, fence, page_rows) for req in reqs)
 
 
 def back_up_complete_pages(req: RequestKV, pool: DevicePool, host: HostStore, copies: CopyEngine,

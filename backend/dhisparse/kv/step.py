@@ -105,7 +105,8 @@ class StepKV:
         # (per source [B*Q]) and their indexer keys' pages and offsets (per indexer layer [B, Q]).
         setup = resolution.setup(self, starts, max(r.footprint.num_pages for r in requests))
         self.starts, self.lengths, self.page_table = setup.starts, setup.lengths, setup.page_table
-        self.write_rows, self.key_write, self._slot_index = setup.write_rows, setup.key_write, setup.slot_index
+        self.write_rows, self.key_write = setup.write_rows, setup.key_write
+        self.slot_index = setup.slot_index  # the step's slots as a CPU int64 tensor (the native resolution's)
         if setup.unmapped is not None:
             self.flag(FLAG_UNMAPPED, setup.unmapped)
         # Every request's whole history direct (resident; adaptive with all prompt pages on device and no page
@@ -124,12 +125,6 @@ class StepKV:
         if value is None:
             value = self._slot_state[name] = make()
         return value
-
-    def slot_index_cpu(self) -> torch.Tensor:
-        """The step's slots as a CPU int64 tensor (the set-up's, or made here once)."""
-        if self._slot_index is None:
-            self._slot_index = torch.tensor(self.slots, dtype=torch.int64)
-        return self._slot_index
 
     def slot_rows(self, name: str) -> torch.Tensor:
         """The step's rows of one batch-state tensor: a view (consecutive slots) or a gathered copy, read once."""
@@ -344,6 +339,14 @@ class StepKV:
         reported); what the resolution deferred is dropped."""
         self.deferred = []
         self._report.zero_()
+
+    def finish(self, report: Sequence[int] | None) -> list[list[int]]:
+        """The step's work is over (``end_step``): complete its fetches, read its report unless the caller did (one
+        counted host read), raise the first failed check; returns per request ``[direct, hot, host, staged]``."""
+        self.wait_fetches()  # prefetches of layers the model skipped must not outlive the step
+        if report is None:
+            report = self.parts.sync.read(self.report())[0]
+        return self.check_report(report)
 
     def wait_fetches(self) -> None:
         """Complete every host→device copy this step issued (called by ``end_step``)."""

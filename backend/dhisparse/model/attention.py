@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dhisparse.model.collectives import LOCAL, Collectives
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import StepKV
-from dhisparse.model.layers import attention_softmax_scale, rms_norm
+from dhisparse.model.layers import attention_softmax_scale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not config.rms_norm_eps
 INDEX_TILE_TOKENS = 2048  # key positions scored at once: the indexer's workspace does not grow with the context
@@ -78,12 +78,15 @@ class IndexedMLA:
         cfg = self.cfg
         b, q_len, _ = x.shape
         rank = cfg.kv_lora_rank
-        q_resid = rms_norm(F.linear(x, self.q_a, self.q_a_bias), self.q_a_norm, LATENT_NORM_EPS)
+        # RMSNorms as DeepseekV3RMSNorm (float32, cast back, then scaled: ``layers.rms_norm``), written with torch's
+        # fused op in place: the decode step calls them twice per layer (``test_layers.py`` checks the equality).
+        q_resid = F.linear(x, self.q_a, self.q_a_bias)
+        q_resid = self.q_a_norm * F.rms_norm(q_resid.float(), self.q_a_norm.shape, eps=LATENT_NORM_EPS).to(x.dtype)
         q = F.linear(q_resid, self.q_b).view(b, q_len, self.heads, self.qk_head_dim)
         q_nope, q_rot = torch.split(q, [cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         compressed = F.linear(x, self.kv_a, self.kv_a_bias)
         kv_pass, k_rot = torch.split(compressed, [rank, cfg.qk_rope_head_dim], dim=-1)
-        k_pass = rms_norm(kv_pass, self.kv_a_norm, LATENT_NORM_EPS)
+        k_pass = self.kv_a_norm * F.rms_norm(kv_pass.float(), self.kv_a_norm.shape, eps=LATENT_NORM_EPS).to(x.dtype)
         q_rot = apply_rope_interleaved(q_rot, cos.unsqueeze(2), sin.unsqueeze(2))
         k_rot = apply_rope_interleaved(k_rot, cos, sin)
         rows = torch.cat([k_pass, k_rot], dim=-1)  # [B, Q, row_dim]
@@ -114,9 +117,11 @@ class IndexedMLA:
                 out_lat = torch.cat([self._attend_rows(kv, selection[:, s:s + tile], q_lat[:, s:s + tile],
                                                        q_rot[:, s:s + tile]) for s in range(0, q_len, tile)], dim=1)
         out = torch.einsum("bqhr,hvr->bqhv", out_lat, self.w_uv).reshape(b, q_len, -1)
-        if self.o_bias is not None and self.collectives is not LOCAL:  # row-parallel: the bias once, after the sum
+        if self.collectives is LOCAL:  # one rank: nothing to combine, no call
+            return F.linear(out, self.o, self.o_bias), selection
+        if self.o_bias is not None:  # row-parallel: the bias once, after the sum
             return self.collectives.attention_output(F.linear(out, self.o)) + self.o_bias, selection
-        return self.collectives.attention_output(F.linear(out, self.o, self.o_bias)), selection
+        return self.collectives.attention_output(F.linear(out, self.o)), selection
 
     def _attend_rows(self, kv: StepKV, selection: torch.Tensor, q_lat: torch.Tensor, q_rot: torch.Tensor
                      ) -> torch.Tensor:
@@ -163,8 +168,9 @@ class IndexedMLA:
             t = torch.arange(start, stop, device=keys_t.device).view(1, 1, -1)
             for i, (a, b) in enumerate(q_tiles):
                 scores = F.relu(torch.matmul(index_q[:, a:b].float(), keys_t) * self.idx_scale)  # [B, q, heads, tile]
-                index_scores = self.collectives.indexer_scores(
-                    torch.matmul(head_w[:, a:b].unsqueeze(-2), scores).squeeze(-2))  # [B, q, tile]
+                index_scores = torch.matmul(head_w[:, a:b].unsqueeze(-2), scores).squeeze(-2)  # [B, q, tile]
+                if self.collectives is not LOCAL:
+                    index_scores = self.collectives.indexer_scores(index_scores)
                 visible = (t <= positions[:, a:b].unsqueeze(-1)) & (t < lengths)
                 index_scores = index_scores.masked_fill(~visible, float("-inf"))
                 idx = t.expand_as(index_scores)

@@ -1,11 +1,11 @@
 """What a model layer asks of the other ranks it is split across: the seam between the model and
 ``engine/parallel`` (which implements it over ``torch.distributed``).
 
-One rank (the default, :data:`LOCAL`) makes every call the identity, so a single-process model pays one Python call
-per use and nothing else. Under tensor parallelism each rank holds a slice of the attention heads, of the indexer
-heads and of the vocabulary (``engine/parallel/sharding.py``); the layers produce *partial* results that these calls
-complete. Every implementation must return bit-identical tensors on every rank of the group (the ranks then make
-identical top-k, sampling and KV residency decisions).
+One rank (the default, :data:`LOCAL`) makes every call the identity, and the DSA layers skip the calls when they
+hold ``LOCAL`` (a single-process decode step pays nothing for the seam). Under tensor parallelism each rank holds a
+slice of the attention heads, of the indexer heads and of the vocabulary (``engine/parallel/sharding.py``); the
+layers produce *partial* results that these calls complete. Every implementation must return bit-identical tensors
+on every rank of the group (the ranks then make identical top-k, sampling and KV residency decisions).
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ from dhisparse.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 and cast back, then scaled (as ``DeepseekV3RMSNorm``)."""
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    """RMSNorm computed in float32 and cast back, then scaled (as ``DeepseekV3RMSNorm``: for float64 inputs too).
+
+    torch's fused ``F.rms_norm`` on the float32 copy gives the same bits as transformers' explicit
+    ``x * rsqrt(mean(x²) + eps)`` (``tests/model/test_layers.py``); the decode path writes this expression in place."""
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 def gated_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

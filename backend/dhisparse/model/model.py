@@ -14,7 +14,7 @@ from dhisparse.model.attention import IndexedMLA
 from dhisparse.model.collectives import LOCAL, Collectives
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.kv_view import LocalKV, PrefillKV, StepKV
-from dhisparse.model.layers import MoE, RotaryEmbedding, gated_mlp, rms_norm
+from dhisparse.model.layers import MoE, RotaryEmbedding, gated_mlp
 from dhisparse.model.weights import load_state_dict, read_config
 
 
@@ -92,24 +92,33 @@ class DSAModel:
     ) -> ForwardOutput:
         """Run ``token_ids [B, Q]`` at ``positions [B, Q]`` against ``kv``. Logits of the last query only unless
         ``all_logits`` (speculative verification needs every position)."""
-        self.collectives.begin_forward(token_ids.numel())
+        local = self.collectives is LOCAL  # one rank: no collective is called
+        if not local:
+            self.collectives.begin_forward(token_ids.numel())
         h = self.embed[token_ids]
+        # RMSNorms as DeepseekV3RMSNorm (float32, cast back, then scaled: ``layers.rms_norm``), written with torch's
+        # fused op in place: a decode step runs 2 per layer (``tests/model/test_layers.py`` checks the equality).
+        eps = self.cfg.rms_norm_eps
         cos, sin = self.rope(positions, self.dtype)
         out = ForwardOutput(logits=torch.empty(0))
         selection = None
         for i in range(self.cfg.num_hidden_layers):
             attn_out, selection = self.attn[i](
-                rms_norm(h, self.input_norm[i], self.cfg.rms_norm_eps), positions, cos, sin, kv,
+                self.input_norm[i] * F.rms_norm(h.float(), self.input_norm[i].shape, eps=eps).to(h.dtype),
+                positions, cos, sin, kv,
                 None if self.attn[i].has_indexer else selection,
             )
             h = h + attn_out
-            h = h + self.mlp[i](rms_norm(h, self.post_norm[i], self.cfg.rms_norm_eps))
+            normed = self.post_norm[i] * F.rms_norm(h.float(), self.post_norm[i].shape, eps=eps).to(h.dtype)
+            h = h + self.mlp[i](normed)
             if i in capture_hidden:
                 out.hidden[i] = h
             if record_selections:
                 out.selections[i] = selection
-        h = rms_norm(h if all_logits else h[:, -1:], self.final_norm, self.cfg.rms_norm_eps)
-        out.logits = self.collectives.vocab_logits(F.linear(h, self.lm_head), self.cfg.vocab_size).float()
+        h = h if all_logits else h[:, -1:]
+        h = self.final_norm * F.rms_norm(h.float(), self.final_norm.shape, eps=eps).to(h.dtype)
+        logits = F.linear(h, self.lm_head)
+        out.logits = (logits if local else self.collectives.vocab_logits(logits, self.cfg.vocab_size)).float()
         return out
 
     @torch.inference_mode()

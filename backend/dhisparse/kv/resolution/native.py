@@ -5,7 +5,8 @@ On a CPU device with the library built and self-checked (``kernels="auto"``), a 
 index group's resolution is one call (``native.resolve_step``) that reads the step's state where it lives
 (page-table snapshot by request; hot state and host page ids in the batch state's slots, the hot state updated
 there in place), adds the counts (and staged rows) into the step's report and returns each source's exact host →
-arena copy list, which a CPU caller may read: a source that misses nothing issues no fetch. A step whose every
+arena copy list, which a CPU caller may read: the group's lists go out as one copy (a group that misses nothing
+issues none). A step whose every
 history is direct is one direct-only call per group (page-table lookups, checks and counts in the library).
 Verification staging is the library's too (the contract's step 4: ``staging_loc``, one staging slot per group
 member). The checks become the step's flags, raised with the others when the report is read.
@@ -65,12 +66,13 @@ class NativeResolution:
         if sources is None:
             sources = self._sources[key] = torch.tensor(key, dtype=torch.int64)
         direct = step.all_direct
+        assert step.slot_index is not None  # set by setup()
         staging = None
         if not direct:
             if m.staging:
                 staging = (state.staging_loc, [slot for _, slot in todo], step.staged)
         out = native.resolve_step(self.lib, positions.reshape(len(step.requests), -1).contiguous(), step.lengths,
-                                  sources, step.slot_index_cpu(), step.page_table, state.hot_pos, state.hot_stamp,
+                                  sources, step.slot_index, step.page_table, state.hot_pos, state.hot_stamp,
                                   state.hot_loc, state.host_pages if m.uses_host else None, step.counts, step.stamp,
                                   m.page_rows, direct_only=direct, staging=staging, checked=self._checked)
         step.resolver_calls += len(todo)
@@ -80,12 +82,19 @@ class NativeResolution:
         for bit, flag in _FLAGS:  # raised with the step's other checks
             if out.flags & bit:
                 step.flag(flag, torch.ones((), dtype=torch.bool))
-        ok = not out.flags
         staged = staging is not None
-        for g, ((source, slot), locations, width) in enumerate(zip(todo, out.locations.unbind(0), out.fetch_count,
-                                                                   strict=True)):
-            ticket = step.issue_fetch(out.fetch_src[g, :width], out.fetch_dst[g, :width]) if width and ok else None
-            step.resolved[source] = Resolved(positions, locations, ticket, slot, staged)
+        widths = list(out.fetch_count)
+        ticket = None
+        if not out.flags and any(widths):  # one copy for the group: every member's missed rows in one gather
+            members = [g for g, width in enumerate(widths) if width]
+            if len(members) == 1:
+                g = members[0]
+                ticket = step.issue_fetch(out.fetch_src[g, :widths[g]], out.fetch_dst[g, :widths[g]])
+            else:
+                ticket = step.issue_fetch(torch.cat([out.fetch_src[g, :widths[g]] for g in members]),
+                                          torch.cat([out.fetch_dst[g, :widths[g]] for g in members]))
+        for (source, slot), locations, width in zip(todo, out.locations.unbind(0), widths, strict=True):
+            step.resolved[source] = Resolved(positions, locations, ticket if width else None, slot, staged)
 
     def settle(self, step: StepKV) -> None:
         return None  # nothing is deferred: every call checks and counts in the library
