@@ -15,10 +15,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from dhisparse.kv.policies import KV_POLICIES, policy_named
+from dhisparse_planner import paper
 from dhisparse_planner.admission import TokenBudget
 from dhisparse_planner.locality import LocalityModel
 from dhisparse_planner.specs import DrafterSpec, HardwareSpec, ModelSpec
-from dhisparse_planner.speculation import SpeculationModel
+from dhisparse_planner.speculation import ACCEPTANCE, SpeculationModel
 
 TARGETS = ("hardware", "model", "drafter", "speculation", "locality", "admission")
 
@@ -67,8 +68,11 @@ CONSTANTS: tuple[Constant, ...] = (
     Constant("host link (effective, row gathers)", "hardware", "host_link_bytes_per_s", 25e9, 15e9, 35e9, "GB/s",
              1e-9, "nvbandwidth issue #24: SM-initiated host->device copies reach 35.2 GB/s on H100 (large "
              "contiguous buffers; upper end); nvbandwidth issue #42: 25.1 GB/s falling to 16.5 GB/s on A100 for "
-             "large buffers. No published figure for gathered 656-byte rows on H200: the nominal is ASSUMED.",
-             retime=True),
+             "large buffers. No published figure for gathered 656-byte rows on H200: the nominal is ASSUMED. "
+             "Measured (ours): 24.1 GB/s gathering 6,400 rows of 656 B from the host store mapped into an H200 "
+             "(docs/results/gpu_check/gpu_check.json, mapped_host.mapped_gather_656B, committed 2026-11-30 in "
+             "e791645), 4.7 / 0.58 GB/s at 800 / 100 rows (a ~110 us cost per gather); summary.md's rows 'host link "
+             "measured' are re-timed with it.", retime=True),
     Constant("step overhead", "hardware", "step_overhead_s", 0.012, 0.006, 0.018, "ms", 1e3,
              "no source for H200 TP8 (ASSUMED). Upper end: sglang PR #28523 measures a whole GLM decode step "
              "(no HiSparse, mean ITL after 1000 tokens) at 18.15 ms, compute included; the RTX PRO 6000 "
@@ -180,4 +184,65 @@ def table_markdown(constants: tuple[Constant, ...] = CONSTANTS) -> str:
     for c in constants:
         lines.append(f"| {c.name} | `{c.target}.{c.field}` | {fmt(c, c.value)} | {fmt(c, c.low)}–{fmt(c, c.high)} "
                      f"| {c.unit} | {'time only' if c.retime else 'decisions (re-simulated)'} | {c.source} |")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ScenarioConstant:
+    """A fixed figure of the paper scenario (not varied by the sensitivity): ``value`` and the ``stated`` range
+    its sources give (or "–"), ``where`` it lives, ``source`` (or ASSUMED)."""
+
+    name: str
+    where: str
+    value: str
+    stated: str
+    unit: str
+    source: str
+
+
+def scenario_constants() -> tuple[ScenarioConstant, ...]:
+    """The paper scenario's fixed figures, read from the code that uses them (paper.py, admission.py,
+    speculation.py)."""
+    budget, dspark, dflash2 = TokenBudget(), ACCEPTANCE["dspark"], ACCEPTANCE["dflash2"]
+    blog = "SGLang's reference 8xH200 HiSparse command (LMSYS blog 'HiSparse: Turbocharging Sparse Attention with " \
+        "Hierarchical Memory', 2026-04-10)"
+    return (
+        ScenarioConstant("DSpark accepted tokens per step (block 5)", 'speculation.ACCEPTANCE["dspark"]',
+                         f"{dspark.short:g}", "3.2–3.6", "tokens",
+                         f"{dspark.source}. Used by the DeepSeek 500K experiments; not varied there."),
+        ScenarioConstant("DFlash2 verification block", "paper.PAPER_GAMMA", f"{paper.PAPER_GAMMA + 1} "
+                         f"(gamma {paper.PAPER_GAMMA})", "–", "tokens",
+                         f"the block the sourced acceptance was measured with (gamma {dflash2.gamma} drafts + the "
+                         "bonus token: the DFlash2 rows above)."),
+        ScenarioConstant("TokenBudget new_token_ratio", "admission.TokenBudget.new_token_ratio",
+                         f"{budget.new_token_ratio:.3g}", "0.098–0.7", "",
+                         "SGLang's scheduler (sgl-project/sglang python/sglang/srt/environ.py): "
+                         "SGLANG_INIT_NEW_TOKEN_RATIO 0.7 x SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR 0.14 = 0.098, the floor "
+                         "it decays to over SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS (600) while decoding runs without "
+                         "retraction (0.7 after one); the floor is ASSUMED (steady decoding)."),
+        ScenarioConstant("TokenBudget clip_max_new_tokens", "admission.TokenBudget.clip_max_new_tokens",
+                         f"{budget.clip_max_new_tokens}", "–", "tokens",
+                         "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION, default 4096 (sgl-project/sglang "
+                         "python/sglang/srt/managers/env_vars.py; environ.py in later versions)."),
+        ScenarioConstant("running requests at most", "paper.PAPER_MAX_RUNNING_REQUESTS",
+                         f"{paper.PAPER_MAX_RUNNING_REQUESTS}", "–", "requests",
+                         f"--max-running-requests 480 in {blog}."),
+        ScenarioConstant("prefill tokens per step", "paper.PAPER_PREFILL_TOKENS_PER_STEP",
+                         f"{paper.PAPER_PREFILL_TOKENS_PER_STEP:,}", "–", "tokens",
+                         f"--chunked-prefill-size 65536 in {blog}."),
+        ScenarioConstant("hot rows per request and layer (B)", "paper.PAPER_HOT_ROWS", f"{paper.PAPER_HOT_ROWS:,}",
+                         "–", "rows", f"device_buffer_size 4096 in {blog}."),
+        ScenarioConstant("requests per client", "paper.PAPER_REQUESTS_PER_CLIENT",
+                         f"{paper.PAPER_REQUESTS_PER_CLIENT}", "–", "requests",
+                         "ASSUMED: the paper does not say how many requests its clients send; 2 is the fewest with a "
+                         "steady window (metrics.py). One wave instead: docs/results/ablation.md."),
+    )
+
+
+def scenario_markdown(rows: tuple[ScenarioConstant, ...] | None = None) -> str:
+    """The scenario's fixed figures (Markdown)."""
+    lines = ["| constant | where | value | stated range (not varied) | unit | source |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for c in rows if rows is not None else scenario_constants():
+        lines.append(f"| {c.name} | `{c.where}` | {c.value} | {c.stated} | {c.unit} | {c.source} |")
     return "\n".join(lines)

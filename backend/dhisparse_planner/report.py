@@ -26,7 +26,8 @@ from dhisparse_planner.workload import ServingSpec, WorkloadSpec
 
 COLUMNS = ("label", "concurrency", "overlap", "output_tok_per_s_per_gpu", "decode_tok_per_s", "mean_ttft_s",
            "mean_tpot_s", "host_share", "hot_share", "direct_share", "host_overlap", "mean_batch", "max_batch",
-           "admissions_waited", "reclaim_events", "requests_done", "makespan_s", "wall_s")
+           "admissions_waited", "waited_for_device", "waited_for_host", "waited_for_budget", "reclaim_events",
+           "requests_done", "makespan_s", "wall_s")
 
 
 @dataclass(frozen=True)
