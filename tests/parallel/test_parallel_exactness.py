@@ -17,8 +17,10 @@ from parallel_engines import parallel_llm, tight_pool
 from tiny_models import random_prompts
 
 from dhisparse import LLM, SamplingParams
-from dhisparse.engine.parallel.comm import DP_STEP_CLOSE_BYTES, ForwardShape, forward_comm_bytes
+from dhisparse.engine.parallel.comm import DP_STEP_CLOSE_BYTES, ForwardShape, ModelComm, forward_comm_bytes
 from dhisparse.engine.parallel.shape import ParallelShape
+from dhisparse_planner.comm import step_comm_bytes
+from dhisparse_planner.specs import GLM5
 
 TP = dict(tensor_parallel_size=2)
 DP = dict(data_parallel_size=2)
@@ -140,6 +142,10 @@ def _check_decode_step_volume(llm: LLM, prompts: list[list[int]]) -> None:
     else:
         forwards = [ForwardShape(2, 1, max(lengths))]
     model = forward_comm_bytes(cfg, shape, forwards, e)
+    # the planner's figure for this step (its deployment described as 2 GPUs, attention TP or DP; uniform routing)
+    planned = step_comm_bytes(ModelComm.of(cfg), GLM5.with_(gpus=2, attention_dp=shape.data_parallel_size),
+                              1 if shape.data_parallel else 2, max(lengths), e, expert_parallel=shape.expert_parallel)
+    planned_total = planned.pop("total")
     dispatched_rows, returned_rows = [], []
     for rank in range(shape.world_size):
         measured = {k.removeprefix(f"rank{rank}_comm_bytes_"): after[k] - before.get(k, 0.0) for k in after
@@ -160,6 +166,11 @@ def _check_decode_step_volume(llm: LLM, prompts: list[list[int]]) -> None:
             dispatched_rows.append(dispatched / (row + 8))
             returned_rows.append(returned / row)
         assert measured == expected, rank
+        if not (shape.expert_parallel and shape.data_parallel):  # the planner's per-step bytes are the runtime's
+            assert planned == measured and planned_total == sum(measured.values()), rank
+        else:  # all but the routing-dependent all-to-all (the planner assumes uniform routing)
+            assert {k: v for k, v in planned.items() if k not in ("moe_dispatch_all_to_all",
+                                                                    "moe_combine_all_to_all")} == measured, rank
     assert sum(dispatched_rows) == sum(returned_rows)  # every row sent to an expert's rank came back
     total = {k: after[k] - before.get(k, 0.0) for k in after if k.startswith("comm_bytes_")}
     per_rank_sum = {k: sum(after[f"rank{r}_{k}"] - before.get(f"rank{r}_{k}", 0.0) for r in range(2))

@@ -30,6 +30,8 @@ from dhisparse.engine.request import RequestUpdate
 from dhisparse.errors import ConfigError
 from dhisparse.model.config import ModelConfig
 from dhisparse.model.layers import gated_mlp
+from dhisparse_planner.comm import HIDDEN_AND_VOCAB, comm_table, model_comm, parallel_shape, step_comm_bytes
+from dhisparse_planner.specs import DSV32
 
 
 def _cfg(**overrides) -> ModelConfig:
@@ -249,3 +251,20 @@ def test_per_rank_statistics_are_labelled_gauges() -> None:
     assert sorted(Family.made) == ["dhisparse_kv_pool_bytes", "dhisparse_rank_kv_pool_bytes"]
     ranks = metrics._families["rank_kv_pool_bytes"].series
     assert {dict(k)["rank"]: s.value for k, s in ranks.items()} == {"0": 100.0, "1": 100.0}
+
+
+def test_the_planner_prices_a_step_with_the_runtime_model() -> None:
+    """dhisparse_planner.comm describes the planned model and deployment in the runtime's terms: the figures of
+    docs/parallel.md's table (DeepSeek-V3.2, bfloat16, 8 GPUs, batch 32 per rank) and no shape the runtime lacks."""
+    comm = model_comm(DSV32, *HIDDEN_AND_VOCAB[DSV32.name])
+    assert (comm.dense_layers, comm.moe_layers, len(comm.indexer_rates)) == (3, 58, 61)
+    assert parallel_shape(DSV32) == ParallelShape(8)
+    assert parallel_shape(DSV32.with_(attention_dp=8), expert_parallel=True) == ParallelShape(1, 8, True)
+    with pytest.raises(ValueError, match="inside data-parallel groups"):
+        parallel_shape(DSV32.with_(attention_dp=2))
+    step = step_comm_bytes(comm, DSV32, 32, 32768, 2)
+    assert step == decode_comm_bytes(comm, ParallelShape(8), 32, 32768, 2)
+    assert round(step["total"] / 2**20) == 298 and round(step["indexer_all_reduce"] / 2**20) == 244
+    table = comm_table()
+    for figures in ("| 298 MiB | 799 MiB |", "| 54 MiB | 54 MiB |", "| 214 MiB | 214 MiB |", "| 366 MiB | 366 MiB |"):
+        assert figures in table
