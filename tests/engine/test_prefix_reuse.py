@@ -227,6 +227,19 @@ def test_deepseek_v4_concurrent_requests_sharing_a_prefix(v4_engine, policy, sha
     reuse.engine.kv.check_invariants()
 
 
+def test_deepseek_v4_reuse_under_a_tight_device_pool(v4_engine) -> None:
+    """adaptive with a pool that holds few requests at once: admissions wait for releases, and every later request
+    still reuses the shared prefix's pages (registered by the first one) with the tokens unchanged."""
+    reuse, plain = _v4_pair(v4_engine, kv_policy="adaptive", pool_bytes=150_000)
+    system = random_prompts([44], 97, seed=16)[0]
+    prompts = [system + tail for tail in random_prompts([5, 13, 1, 8, 30, 2], 97, seed=17)]
+    got, want = reuse.generate(prompts, GREEDY), plain.generate(prompts, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.stats["kv_prefix_reused_tokens"] for o in got] == [0] + [16] * 5
+    assert reuse.stats()["kv_admissions_waited"] > 0
+    reuse.engine.kv.check_invariants()
+
+
 def test_deepseek_v4_reuse_under_a_tight_host_store(v4_engine) -> None:
     """Distinct conversations through a host store that holds few cached pages: unreferenced pages are evicted (LRU)
     instead of admissions waiting, and the tokens stay those without reuse."""

@@ -28,11 +28,9 @@ verification uses. So host store, pages, hot cache and tail hold exactly one row
 A verification step of ``Q`` tokens opens ``ceil(Q / rate)`` rows per request (at most that many windows
 complete) and keeps those completed by the accepted tokens.
 
-Prefix reuse (``hisparse``, ``adaptive``; ``kv/prefix_v4.py``): a cached page is its rows plus the indexer keys and
-HCA entries of the windows its tokens complete; a hit restores every compressed entry of its pages
-(:meth:`V4HierarchyKVStore.prefill_kv` builds the state the prefill restarts from) and the prefill recomputes the
-sliding windows and pending projections from ``model.deepseek_v4.prefix.restart_position`` on. A released request's
-slot stays until the manager frees its memory (its decoded pages register from it).
+Prefix reuse (``hisparse``, ``adaptive``; ``kv/prefix_v4.py``): a hit restores every compressed entry of its pages
+(:meth:`V4HierarchyKVStore.prefill_kv`); the prefill recomputes windows and pending projections from
+``model.deepseek_v4.prefix.restart_position``. A released request's slot stays until the manager frees its memory.
 """
 
 from __future__ import annotations
@@ -156,7 +154,7 @@ class V4DenseKVStore:
         return True
 
     def set_token_ids(self, request_id: str, token_ids: Sequence[int], reuse: bool = True) -> None:
-        return None  # no prefix reuse for DeepSeek-V4 (docs/prefix_reuse.md: window and compressor state)
+        return None  # the reference store keeps nothing beyond a request: no prefix cache
 
     def cached_prefix_tokens(self, request_id: str) -> int:
         return 0
@@ -370,8 +368,8 @@ class V4HierarchyKVStore:
         return list(self._step_ids) if self.step is not None else self.inner.owners_of(failure)
 
     def release(self, request_id: str) -> None:
-        """Release in the hierarchy; the request's slot is freed when the manager frees its memory (``_forgotten``:
-        the pages decoding completed are registered from it first)."""
+        """Release in the hierarchy; the slot is freed with the request's memory (``_forgotten``), after its decoded
+        pages registered from it."""
         self.restart.pop(request_id, None)
         self.prefix_rows.hits.pop(request_id, None)
         slot = self.slots.pop(request_id, None)
