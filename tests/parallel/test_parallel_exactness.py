@@ -37,8 +37,10 @@ CASES = [
     ("glm_fsfs_sparse", DP_EP, "hisparse", True, None),
     ("dsv32_sparse_yarn", TP_EP_WHOLE_INDEXER, "resident", False, None),
     ("dsv32_sparse_yarn", DP, "dense", False, None),
+    ("dsv32_sparse_yarn", TP, "hisparse", True, None),
     ("v4_small_topk", TP, "adaptive", True, None),
     ("v4_small_topk", DP_EP, "hisparse", False, None),
+    ("v4_small_topk", DP, "resident", False, None),
     ("spec", TP_EP, "adaptive", True, "dflash2"),
     ("spec", DP, "hisparse", True, "dspark"),
 ]
