@@ -6,10 +6,19 @@ model and the engine model: each gets an error naming the limit. Refusal time is
 latency (a ratio, measured in this run); another client's latency while the attacks run in a loop is compared with
 its latency alone (medians of repeats, the ratio asserted with a generous bound for this shared machine and printed).
 Within the limits, long stop / bad word lists still work, processed once per request (``sampling/request_tables``).
+
+The same limits hold at the OpenAI port (`dhisparse.serving.openai.edge_limits`): its front end runs here in this
+process beside the session's Triton server (as `dhisparse-serve --openai-port` runs it, on its own thread and event
+loop), with the limits the Triton models were given. Each oversized OpenAI request (a body over
+``max_request_bytes``, declared or chunked; prompts, chat messages, ``n``, stop strings, ``logit_bias`` and token-id
+prompts over their limits) gets OpenAI's error JSON naming the limit, about as fast as a small request is answered,
+while another OpenAI client's latency stays within the same bound as above. A prompt that the operator's limits let
+through but that takes long to tokenise is tokenised on a worker thread: other clients are answered meanwhile.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -18,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx2
 import numpy as np
 import pytest
 
@@ -195,3 +205,163 @@ def test_long_word_lists_within_the_limits_still_work(served, offline_llm, token
     got = [int(t) for arrays in client.stream_results("dhisparse", _inputs(values), ["output_ids"])
            for t in arrays["output_ids"].reshape(-1)]
     assert got == expected and not set(got) & set(range(100, 300))
+
+
+# ------------------------------------------------------------------------------------------------ the OpenAI port
+MODEL = "tiny"
+
+
+def openai_attacks() -> dict[str, tuple[str, bytes, bool, int, str]]:
+    """name -> (route, JSON body, sent chunked (no Content-Length), the HTTP status, the limit its error must name)."""
+    def body(**fields) -> bytes:
+        return json.dumps({"model": MODEL, "max_tokens": 4, **fields}).encode()
+
+    huge = body(prompt="x" * (32 * MB))
+    return {
+        "32 MB prompt": ("completions", huge, False, 413, "max_request_bytes"),
+        "32 MB prompt, chunked": ("completions", huge, True, 413, "max_request_bytes"),
+        "100 KB prompt": ("completions", body(prompt="x" * (100 * 1024)), False, 400, "max_prompt_bytes"),
+        "100 KB chat message": ("chat/completions", body(messages=[{"role": "user", "content": "x" * (100 * 1024)}]),
+                                False, 400, "max_prompt_bytes"),
+        "20000 chat messages": ("chat/completions", body(messages=[{"role": "user", "content": ""}] * 20000), False,
+                                400, "max_prompt_bytes"),
+        "9 prompts": ("completions", body(prompt=["To be"] * 9), False, 400, "max_batch"),
+        "n = 3000": ("completions", body(prompt="To be", n=3000), False, 400, "max_num_return_sequences"),
+        "1000 stop strings": ("completions", body(prompt="To be", stop=[f"s{i}" for i in range(1000)]), False, 400,
+                              "max_words"),
+        "100 KB stop string": ("completions", body(prompt="To be", stop=["s" * (100 * 1024)]), False, 400,
+                               "max_word_bytes"),
+        "100000 logit_bias entries": ("completions", body(prompt="To be", logit_bias={str(i): 1
+                                                                                    for i in range(100000)}),
+                                      False, 400, "vocab_size"),
+        "50000 token ids": ("completions", body(prompt=list(range(3, 103)) * 500), False, 400, "max_prompt_tokens"),
+    }
+
+
+def post(client: httpx2.Client, url: str, route: str, content: bytes, chunked: bool = False) -> httpx2.Response:
+    if chunked:  # a generator body goes out with Transfer-Encoding: chunked, so the server cannot know its size
+        data = content
+        content = (data[i: i + (1 << 16)] for i in range(0, len(data), 1 << 16))  # type: ignore[assignment]
+    return client.post(f"{url}/{route}", content=content, headers={"Content-Type": "application/json"})
+
+
+@pytest.fixture(scope="module")
+def openai_front(served):
+    """The OpenAI front end of the session's server, checking the limits its Triton models were given."""
+    from dhisparse.serving.openai.server import OpenAIOptions, OpenAIServer
+    from dhisparse.serving.repository import RepositorySpec
+
+    limits = RepositorySpec(served.engine_dir, served.overrides).resolved_limits()
+    front = OpenAIServer(served.engine_dir, served.grpc_url, OpenAIOptions(0, model_name=MODEL), served.overrides,
+                         limits)
+    front.start()
+    try:
+        yield front
+    finally:
+        front.stop()
+
+
+def _openai_victim_latency(client: httpx2.Client, url: str) -> float:
+    began = time.perf_counter()
+    reply = post(client, url, "completions", json.dumps({"model": MODEL, "prompt": "To be", "max_tokens": 8}).encode())
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"], reply.text
+    return time.perf_counter() - began
+
+
+def test_oversized_openai_requests_are_refused_at_once_naming_the_limit(openai_front):
+    url = openai_front.url
+    prepared = openai_attacks()
+    with httpx2.Client(timeout=120) as client:
+        alone = statistics.median(_openai_victim_latency(client, url) for _ in range(REPEATS))
+        refusals = {}
+        for name, (route, content, chunked, status, limit) in prepared.items():
+            times = []
+            for _ in range(3):
+                began = time.perf_counter()
+                reply = post(client, url, route, content, chunked)
+                times.append(time.perf_counter() - began)
+                error = reply.json()["error"]
+                assert reply.status_code == status and f"limit {limit}" in error["message"], (name, reply.text)
+                assert error["type"] == "invalid_request_error" and error["code"] == "limit_exceeded", error
+            refusals[name] = statistics.median(times)
+        print(f"OpenAI: small request alone: {alone * 1000:.0f} ms (median of {REPEATS}); refusals (median of 3): "
+              + ", ".join(f"{n}: {s * 1000:.0f} ms" for n, s in refusals.items()))
+        # Refused before any heavy work: about a small request's time; a large body about what receiving (and, under
+        # max_request_bytes, decoding) its bytes costs anyway
+        small = {n: seconds for n, seconds in refusals.items() if len(prepared[n][1]) < MB}
+        assert max(small.values()) < 5 * alone, small
+        assert max(refusals.values()) < 10 * alone, refusals
+
+        attacker = subprocess.Popen([sys.executable, "-c", OPENAI_ATTACKER, url], stdout=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: os.nice(19), env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
+        rounds: list[str] = []
+        try:
+            assert attacker.stdout is not None and attacker.stdout.readline().strip() == "attacking"
+            reader = threading.Thread(target=lambda: rounds.extend(line.strip() for line in attacker.stdout),
+                                      daemon=True)
+            reader.start()
+            samples = []
+            deadline = time.monotonic() + 300  # a hang guard
+            while (len(samples) < 3 * REPEATS or not rounds) and time.monotonic() < deadline:
+                samples.append(_openai_victim_latency(client, url))
+                time.sleep(0.1)
+            during = statistics.median(samples)
+        finally:
+            attacker.terminate()
+            attacker.wait(timeout=120)
+    ratio = during / alone
+    print(f"another OpenAI client's latency: alone {alone * 1000:.0f} ms, during the attacks {during * 1000:.0f} ms "
+          f"(ratio {ratio:.2f}, median of {len(samples)}; {len(prepared) * len(rounds)} attacks sent meanwhile)")
+    assert rounds, "the attacks never completed a round"
+    assert all(line == "round" for line in rounds), rounds  # every attack got its refusal, every round
+    assert ratio < RATIO_BOUND, (alone, during)
+
+
+OPENAI_ATTACKER = """
+import signal, sys
+import httpx2
+from test_security_limits import openai_attacks, post
+prepared = list(openai_attacks().values())
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+print("attacking", flush=True)
+with httpx2.Client(timeout=120) as client:
+    while True:
+        statuses = [(post(client, sys.argv[1], route, content, chunked).status_code, status)
+                    for route, content, chunked, status, _ in prepared]
+        print("round" if all(got == want for got, want in statuses) else f"unexpected {statuses}", flush=True)
+"""
+
+
+def test_a_long_tokenisation_does_not_hold_up_other_clients(served):
+    """An operator raised max_prompt_bytes, so a 400 KB prompt is tokenised (about a second here) before its token
+    count refuses it. Meanwhile another client's requests are answered: none waits for the tokenisation."""
+    from dhisparse.serving.limits import RequestLimits
+    from dhisparse.serving.openai.server import OpenAIOptions, OpenAIServer
+
+    front = OpenAIServer(served.engine_dir, served.grpc_url, OpenAIOptions(0, model_name=MODEL), served.overrides,
+                         RequestLimits(max_prompt_bytes=1 * MB))
+    front.start()
+    try:
+        url = front.url
+        prompt = json.dumps({"model": MODEL, "prompt": "To be, or not to be naive " * (400 * 1024 // 26)}).encode()
+        refusal: list[httpx2.Response] = []
+        with httpx2.Client(timeout=120) as attacker, httpx2.Client(timeout=120) as victim:
+            assert victim.get(f"{url}/models").status_code == 200  # connected before the clock starts
+            sender = threading.Thread(target=lambda: refusal.append(post(attacker, url, "completions", prompt)))
+            began = time.perf_counter()
+            sender.start()
+            latencies = []
+            while sender.is_alive():
+                asked = time.perf_counter()
+                assert victim.get(f"{url}/models").status_code == 200
+                latencies.append(time.perf_counter() - asked)
+            took = time.perf_counter() - began
+            sender.join()
+        assert refusal[0].status_code == 400 and "limit max_prompt_tokens" in refusal[0].json()["error"]["message"]
+        print(f"a 400 KB prompt tokenised and refused in {took * 1000:.0f} ms; meanwhile {len(latencies)} requests "
+              f"of another client, the slowest {max(latencies) * 1000:.0f} ms")
+        # Tokenised on the event loop, the other client's requests would wait for all of it (one reply, as slow).
+        assert len(latencies) >= 10 and max(latencies) < took / 4, (took, latencies)
+    finally:
+        front.stop()

@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.openai_port is not None and args.role == "context":
             raise ValueError("--openai-port needs the generation side (--role both or generation), not --role context")
         http, grpc, metrics = _ports(args, args.address)
-        openai = openai_server.from_arguments(args, spec.engine_dir, f"{args.address}:{grpc}", spec.engine_overrides)
+        openai = openai_server.from_arguments(args, spec.engine_dir, f"{args.address}:{grpc}", spec.engine_overrides,
+                                              spec.resolved_limits())
     except (TritonNotInstalledError, ValueError, TypeError) as error:
         print(f"dhisparse-serve: error: {error}", file=sys.stderr)
         return 2

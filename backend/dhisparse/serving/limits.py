@@ -3,7 +3,10 @@
 A request that exceeds a limit is refused at once with an error naming the limit, its value and the flag that
 sets it (``dhisparse-serve --limit NAME=VALUE``); nothing is tokenised, queued or started for it. The limits reach
 the Triton models as ``limit.<name>`` model parameters (``RepositorySpec.limits``); a model without them uses the
-defaults below. Limits given as 0 are derived from the engine at fill time (:meth:`RequestLimits.resolved`).
+defaults below. Limits given as 0 are derived from the engine at fill time (:meth:`RequestLimits.resolved`). The
+OpenAI front end checks the same resolved limits on its requests (`dhisparse.serving.openai.edge_limits`: there
+``max_request_bytes`` bounds the HTTP body, ``max_batch`` the prompts, ``n`` is ``num_return_sequences``, stop strings
+are words).
 
 What each limit bounds (per Triton request unless said otherwise):
 
@@ -125,9 +128,9 @@ class RequestLimits:
         if self.max_prompt_tokens and count > self.max_prompt_tokens:
             raise self.refuse(f"{name} has {count} tokens", "max_prompt_tokens")
 
-    def check_prompt_bytes(self, count: int) -> None:
+    def check_prompt_bytes(self, count: int, name: str = "text_input") -> None:
         if self.max_prompt_bytes and count > self.max_prompt_bytes:
-            raise self.refuse(f"text_input has {count} bytes", "max_prompt_bytes")
+            raise self.refuse(f"{name} has {count} bytes", "max_prompt_bytes")
 
     def check_text_words(self, name: str, words: list[bytes]) -> None:
         """A stop / bad / bias word list as text, before tokenising."""
@@ -152,9 +155,9 @@ class RequestLimits:
             raise self.refuse(f"{name} holds {width} token ids (max_words × max_word_tokens = "
                               f"{self.max_words * self.max_word_tokens})", "max_words")
 
-    def check_bias_size(self, size: int) -> None:
+    def check_bias_size(self, size: int, name: str = "embedding_bias") -> None:
         if self.vocab_size and size > self.vocab_size:
-            raise LimitExceededError(f"request refused: embedding_bias holds {size} values but the vocabulary has "
+            raise LimitExceededError(f"request refused: {name} holds {size} values but the vocabulary has "
                                      f"{self.vocab_size} tokens (limit vocab_size)")
 
 

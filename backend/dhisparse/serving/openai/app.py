@@ -3,9 +3,10 @@
 Routes: ``GET /v1/models`` and ``/v1/models/{model}``, ``POST /v1/completions`` and ``/v1/chat/completions``
 (JSON, or server-sent events with ``stream``), ``GET /health`` (200 while the engine's Triton model is ready,
 503 otherwise). Bodies are validated by the `protocol` models; every error is OpenAI's error object with its
-status (`errors`). A client that disconnects, streaming or not, has its request cancelled: the handler races the
-work against the connection's ``http.disconnect`` and cancels the work first, which cancels its gRPC streams, so
-the engine aborts the sequences and frees their memory.
+status (`errors`). A body over the ``max_request_bytes`` limit is answered 413 before it is parsed (`edge_limits`'
+`BodySizeLimit`, in front of every route). A client that disconnects, streaming or not, has its request cancelled:
+the handler races the work against the connection's ``http.disconnect`` and cancels the work first, which cancels
+its gRPC streams, so the engine aborts the sequences and frees their memory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dhisparse.serving.openai.edge_limits import BodySizeLimit, EdgeLimits
 from dhisparse.serving.openai.errors import OpenAIError, bad_request
 from dhisparse.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from dhisparse.serving.openai.serving import OpenAIServing
@@ -36,13 +38,14 @@ def _param(location: tuple) -> str:
     return out
 
 
-async def _body(request: Request, model: type[pydantic.BaseModel]) -> Any:
+async def _body(request: Request, model: type[pydantic.BaseModel], edge: EdgeLimits) -> Any:
     try:
         raw = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
     if not isinstance(raw, dict):
         raise bad_request("the request body must be a JSON object")
+    edge.check_sizes(raw)
     try:
         return model.model_validate(raw)
     except pydantic.ValidationError as error:
@@ -102,6 +105,7 @@ async def _events(request: Request, events: AsyncGenerator[str, None]) -> AsyncI
 def create_app(serving: OpenAIServing) -> FastAPI:
     """The FastAPI application serving `serving`."""
     app = FastAPI(title="dhisparse OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodySizeLimit, limits=lambda: serving.edge.limits)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
@@ -141,12 +145,12 @@ def create_app(serving: OpenAIServing) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
-        body = await _body(request, CompletionRequest)
+        body = await _body(request, CompletionRequest, serving.edge)
         return await respond(request, serving.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        body = await _body(request, ChatCompletionRequest)
+        body = await _body(request, ChatCompletionRequest, serving.edge)
         return await respond(request, serving.chat(body))
 
     return app

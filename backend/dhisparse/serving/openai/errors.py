@@ -5,6 +5,8 @@ client raises ``BadRequestError`` for 400, ``NotFoundError`` for 404, ``Internal
 
 - 400 ``invalid_request_error``: a parameter the server refuses (``param`` names it), or a request the engine
   refuses (its `InvalidRequestError` text: prompt too long, token ids outside the vocabulary, …).
+- 413 ``invalid_request_error`` (``code`` ``limit_exceeded``): a body over the ``max_request_bytes`` limit
+  (`edge_limits`); a request over another per-request limit is a 400 with that code.
 - 404 ``not_found_error`` (``code`` ``model_not_found``): a model name this server does not serve.
 - 500 ``internal_server_error``: the engine work the request was part of failed (``engine step failed: …``).
 - 503 ``service_unavailable``: the engine stopped after a fault it could not recover from, its Triton model is not
@@ -30,15 +32,15 @@ _UNAVAILABLE = re.compile(
 # A failed engine step (RequestFailedError) or a request that failed inside the serving layer.
 _FAILED = re.compile(r"engine step failed|^request failed|engine loop stopped before", re.IGNORECASE)
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "internal_server_error",
-          503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+          500: "internal_server_error", 503: "service_unavailable"}
 
 
 class OpenAIError(Exception):
     """An error answered as OpenAI's error object with HTTP `status`.
 
     Args:
-        status: HTTP status (400, 404, 500, 503).
+        status: HTTP status (400, 404, 413, 500, 503).
         message: what went wrong, for the client.
         param: the request parameter at fault, when one is.
         code: OpenAI's machine-readable code (e.g. ``model_not_found``), when one applies.

@@ -3,8 +3,10 @@
 Field names, types and ranges are OpenAI's; a value outside them is a 400 naming the field. Fields OpenAI defines
 that this server does not do are refused when they ask for something (``suffix``, ``best_of`` != ``n``, tools,
 ``response_format`` other than text, ``echo`` with ``logprobs``) rather than ignored; unknown fields are ignored,
-as OpenAI-compatible servers do. Extensions shared with vLLM: ``top_k`` (0 or -1 = off), ``min_tokens``,
-``repetition_penalty``, and for chat ``add_generation_prompt``.
+as OpenAI-compatible servers do. The server's per-request limits (``n``, prompts, ``stop``, ``logit_bias``, prompt
+sizes) are checked by `edge_limits`, with the values ``dhisparse-serve --limit`` sets for every model. Extensions
+shared with vLLM: ``top_k`` (0 or -1 = off), ``min_tokens``, ``repetition_penalty``, and for chat
+``add_generation_prompt``.
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dhisparse.serving.openai.errors import bad_request
 
-MAX_CHOICES = 16  # n: independent samples per request
-MAX_STOP = 16  # stop strings per request
 MAX_LOGPROBS = 20  # completions' logprobs / chat's top_logprobs
 SEED_MAX = (1 << 64) - 1
 
@@ -35,7 +35,7 @@ class CommonParams(BaseModel):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: int = Field(1, ge=1)  # at most the limit max_num_return_sequences (edge_limits)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -50,9 +50,8 @@ class CommonParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
 
     def stop_strings(self) -> tuple[str, ...]:
+        """The non-empty stop strings (their number and sizes are bounded by the server's limits: `edge_limits`)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOP:
-            raise bad_request(f"stop: at most {MAX_STOP} stop sequences, got {len(stops)}", "stop")
         return tuple(s for s in stops if s)
 
     def token_bias(self, vocab_size: int) -> dict[int, float]:

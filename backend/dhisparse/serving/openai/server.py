@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
+from dhisparse.serving.limits import RequestLimits
 from dhisparse.serving.openai.app import create_app
 from dhisparse.serving.openai.chat_template import ChatTemplate
 from dhisparse.serving.openai.engine_client import EngineClient
@@ -49,10 +50,13 @@ class OpenAIOptions:
 class OpenAIServer:
     """The front end for `engine_dir` served by the Triton server at `grpc_url`; `start` blocks until it listens.
 
-    Raises ValueError from the constructor when the engine has no tokenizer or the chat template is unusable."""
+    `request_limits` are the per-request limits the Triton models apply (`RepositorySpec.resolved_limits`), checked
+    here too, at the OpenAI edge (`edge_limits`); default: the defaults. Raises ValueError from the constructor when
+    the engine has no tokenizer or the chat template is unusable."""
 
     def __init__(self, engine_dir: Path, grpc_url: str, options: OpenAIOptions,
-                 engine_overrides: Mapping[str, object] | None = None) -> None:
+                 engine_overrides: Mapping[str, object] | None = None,
+                 request_limits: RequestLimits | None = None) -> None:
         self.options = options
         engine_dir = Path(engine_dir)
         if not (engine_dir / "tokenizer.json").is_file():
@@ -61,7 +65,7 @@ class OpenAIServer:
         name = options.model_name or engine_dir.resolve().name
         self.serving = OpenAIServing(EngineClient(grpc_url), engine_dir, name,
                                      EngineLimits.load(engine_dir, dict(engine_overrides or {})), template,
-                                     options.add_special_tokens)
+                                     options.add_special_tokens, request_limits)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -121,15 +125,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "tokenizer_config.json's chat_template)")
 
 
-def from_arguments(args: argparse.Namespace, engine_dir: Path, grpc_url: str,
-                   overrides: Mapping[str, object]) -> OpenAIServer | None:
-    """The server `args` ask for (None without --openai-port); not started. Raises ValueError on bad flags."""
+def from_arguments(args: argparse.Namespace, engine_dir: Path, grpc_url: str, overrides: Mapping[str, object],
+                   request_limits: RequestLimits | None = None) -> OpenAIServer | None:
+    """The server `args` ask for (None without --openai-port), checking `request_limits` (``--limit``); not started.
+    Raises ValueError on bad flags."""
     if args.openai_port is None:
         if args.served_model_name is not None or args.chat_template is not None:
             raise ValueError("--served-model-name and --chat-template need --openai-port")
         return None
     options = OpenAIOptions(args.openai_port, args.address, args.served_model_name, args.chat_template)
-    return OpenAIServer(engine_dir, grpc_url, options, overrides)
+    return OpenAIServer(engine_dir, grpc_url, options, overrides, request_limits)
 
 
 def stop(server: OpenAIServer | None) -> None:

@@ -5,7 +5,10 @@ A request becomes one sequence per prompt and choice (``n``), each streamed on i
 posts what it releases to one queue. Choice ``i`` of a request with ``seed`` s samples with seed ``s + i`` (as
 the ensemble's ``num_return_sequences`` does). Non-streaming, the queue is drained into one response; streaming,
 each event becomes a server-sent event as it comes, then the usage chunk (``stream_options.include_usage``) and
-``data: [DONE]``. A streamed request's first event is awaited before the response starts, so an immediate
+``data: [DONE]``. Before any of that, the server's per-request limits are checked (`edge_limits`: prompts, ``n``,
+stop strings, ``logit_bias``, prompt bytes before tokenising, prompt tokens), and prompts are tokenised (and chat
+templates rendered) on a worker thread, so one large prompt does not hold up the event loop serving every other
+client. A streamed request's first event is awaited before the response starts, so an immediate
 refusal keeps its HTTP status; a later failure is sent as an ``{"error": ...}`` event. `EventStream.close`
 (the client went away, or the response is complete) cancels every sequence still running.
 """
@@ -20,11 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 from tokenizers import Tokenizer
 
+from dhisparse.serving.limits import RequestLimits
 from dhisparse.serving.openai import responses
 from dhisparse.serving.openai.chat_template import ChatTemplate
 from dhisparse.serving.openai.choices import ChoiceText, Delta
+from dhisparse.serving.openai.edge_limits import EdgeLimits
 from dhisparse.serving.openai.engine_client import EngineClient, SequenceRequest
 from dhisparse.serving.openai.errors import OpenAIError, bad_request, model_not_found
 from dhisparse.serving.openai.protocol import ChatCompletionRequest, CommonParams, CompletionRequest
@@ -100,20 +106,40 @@ class OpenAIServing:
         chat_template: the chat template (`ChatTemplate.load`).
         add_special_tokens: whether completions prompts get the tokenizer's special tokens (the ensemble's
             ``preprocessing`` setting, so text prompts tokenize alike).
+        request_limits: the server's per-request limits (`RepositorySpec.resolved_limits`, what the Triton models
+            check); values left at 0 are derived here from `limits` and the tokenizer. Default: the defaults.
     """
 
     def __init__(self, engine: EngineClient, engine_dir: Path, model_name: str, limits: EngineLimits,
-                 chat_template: ChatTemplate, add_special_tokens: bool = True) -> None:
+                 chat_template: ChatTemplate, add_special_tokens: bool = True,
+                 request_limits: RequestLimits | None = None) -> None:
         self.engine, self.model_name, self.limits = engine, model_name, limits
         self.chat_template, self.add_special_tokens = chat_template, add_special_tokens
         self.tokenizer: Tokenizer = load_tokenizer(engine_dir)
         self.token_bytes = TokenBytes(self.tokenizer)
+        request_limits = request_limits or RequestLimits()
+        self.edge = EdgeLimits(request_limits.resolved(limits.max_model_len, self.token_bytes.vocab_size,
+                                                       request_limits.max_batch))
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise model_not_found(model, self.model_name)
 
     # ------------------------------------------------------------------------------------------ requests
+    def _check_request(self, body: CommonParams, prompts: int) -> None:
+        """The limits that bound a request's work as a whole, checked before any prompt is looked at."""
+        self.edge.check_choices(prompts, body.n)
+        self.edge.check_stops(body.stop_strings())
+        self.edge.check_logit_bias(body.logit_bias)
+
+    async def _encode(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of `texts`, tokenised on a worker thread (`encode_batch`: unlike `encode`, it releases the GIL
+        while it works, so the event loop goes on serving other clients)."""
+        def encode() -> list[list[int]]:
+            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+        return await anyio.to_thread.run_sync(encode) if texts else []
+
     def _sequences(self, body: CommonParams, prompts: list[list[int]], max_tokens: int | None,
                    logprobs: int | None, prompt_param: str = "prompt") -> list[_Sequence]:
         if logprobs is not None:
@@ -223,18 +249,27 @@ class OpenAIServing:
             await events.close()
 
     # --------------------------------------------------------------------------------------- completions
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("the prompt is empty", "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=self.add_special_tokens).ids
-        return list(prompt)
+    async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids; every size limit is checked on every prompt before any is tokenised."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise bad_request("the prompt is empty", "prompt")
+                self.edge.check_text(prompt, "prompt")
+            else:
+                self.edge.check_tokens(len(prompt), "prompt")
+        encoded = iter(await self._encode([p for p in prompts if isinstance(p, str)], self.add_special_tokens))
+        out = [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+        for ids in out:
+            self.edge.check_tokens(len(ids), "prompt")
+        return out
 
     async def completions(self, body: CompletionRequest) -> dict[str, Any] | AsyncGenerator[str, None]:
         """A ``text_completion`` object, or (``stream``) an iterator of server-sent events."""
         self.check_model(body.model)
         texts = body.prompts()
-        prompts = [self._prompt_ids(p) for p in texts]
+        self._check_request(body, len(texts))
+        prompts = await self._prompt_ids(texts)
         sequences = self._sequences(body, prompts, body.max_tokens, body.logprobs)
         echo = [(t if isinstance(t, str) else self.token_bytes.decode(t).decode("utf-8", "replace")) if body.echo
                 else "" for t in texts]
@@ -271,8 +306,17 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest) -> dict[str, Any] | AsyncGenerator[str, None]:
         """A ``chat.completion`` object, or (``stream``) an iterator of ``chat.completion.chunk`` events."""
         self.check_model(body.model)
-        prompt = self.chat_template.render(body.message_dicts(), body.add_generation_prompt)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        self._check_request(body, 1)
+        messages = body.message_dicts()
+        self.edge.check_messages(messages)
+
+        def render() -> str:  # on the worker thread too: a template is Python code running over every message
+            prompt = self.chat_template.render(messages, body.add_generation_prompt)
+            self.edge.check_text(prompt, "messages", "the rendered chat prompt")
+            return prompt
+
+        (ids,) = await self._encode([await anyio.to_thread.run_sync(render)], False)
+        self.edge.check_tokens(len(ids), "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         sequences = self._sequences(body, [ids], body.answer_limit(), logprobs, "messages")
         response_id, created = responses.new_id("chatcmpl"), responses.now()
