@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dhisparse.engine.parallel.shape import ParallelShape
+from dhisparse.host_values import to_device
 from dhisparse.model.collectives import Collectives
 
 
@@ -109,13 +110,13 @@ class RankCollectives(Collectives):
         lengths are checked first: ranks that disagree on how many they hold have diverged
         (:class:`CollectiveError`)."""
         self.usable()
-        lengths = self.all_gather(torch.tensor([len(codes)], dtype=torch.int64, device=self.device), layer)
+        lengths = self.all_gather(to_device([len(codes)], torch.int64, self.device), layer)
         if any(int(n) != len(codes) for n in lengths):
             self.broken = f"tensor-parallel ranks diverged: {layer} lists of {[int(n) for n in lengths]} entries"
             raise CollectiveError(f"rank {self.rank}: {self.broken}")
         if not codes:
             return [[] for _ in range(self.world)]
-        parts = self.all_gather(torch.tensor(codes, dtype=torch.int64, device=self.device), layer)
+        parts = self.all_gather(to_device(codes, torch.int64, self.device), layer)
         return [[int(c) for c in part.tolist()] for part in parts]
 
     # ------------------------------------------------------------------------------- the model's seam
