@@ -4,7 +4,8 @@ The server runs the tiny engine with a chat template given by `--chat-template`.
 the offline engine (`LLM.generate` with the same token ids and sampling parameters) and greedy completions against
 what the server's own `ensemble` returns for the same prompt. Errors are OpenAI's error object with their status;
 a client that disconnects, streaming or not, gets its request aborted and every tier of its memory freed (the same
-occupancy check as the gRPC cancellation tests).
+occupancy check as the gRPC cancellation tests). Speculation and a dead engine get a server of their own, on the demo
+target and its trained drafter (`models/demo`), so that drafts are accepted.
 """
 
 from __future__ import annotations
@@ -331,32 +332,50 @@ def test_disconnected_client_frees_every_tier(server, api, triton, prompt_runs_l
     assert api.completions.create(model=MODEL, prompt="To be", max_tokens=2).choices
 
 
-@pytest.fixture(scope="module")
-def speculative_engine(tiny_engine, tmp_path_factory) -> Path:
-    """The tiny engine packed with a random-init DFlash2 drafter (its acceptance is low, but it proposes)."""
-    import torch
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo"
 
-    from dhisparse.spec.drafters import DFlash2Config, DFlash2Drafter, save_drafter
+
+@pytest.fixture(scope="module")
+def speculative_engine(tmp_path_factory) -> Path:
+    """The demo target packed with its trained DFlash2 drafter (`models/demo`): its drafts are often accepted (a
+    random-init drafter's never are, which would leave the acceptance statistics at zero)."""
     from dhisparse_builder.build import BuildOptions, build_engine
 
-    root = tmp_path_factory.mktemp("speculative")
-    torch.manual_seed(0)
-    save_drafter(DFlash2Drafter(DFlash2Config(target_layer_ids=(0, 1), window=16, vocab_size=320,
-                                              target_hidden_size=64, hidden_size=32, num_layers=1, num_heads=2,
-                                              intermediate_size=64, max_block=8)), root / "dflash2")
-    return build_engine(BuildOptions(tiny_engine.parent / "checkpoint", root / "engine", {"dtype": "float32"},
-                                     drafters=(root / "dflash2",)), progress=lambda done, total: None)
+    return build_engine(BuildOptions(DEMO / "target", tmp_path_factory.mktemp("speculative") / "engine", {},
+                                     drafters=(DEMO / "dflash2",)), progress=lambda done, total: None)
 
 
-def test_speculative_usage_then_dead_engine_is_503(speculative_engine, offline_llm, tokenizer, tmp_path):
-    """With a drafter: greedy text still equals the offline engine's without one, and usage carries the drafts
-    (accepted + rejected = proposed). Chat without a chat template is a 400 that says what to do. An engine that
-    stops after a fault it cannot recover from: the request whose step failed gets a 500 naming the fault, every
-    request after it a 503 (the official client raises InternalServerError for both) until dhisparse-serve, seeing
-    the engine's model unloaded, stops and exits with code 3."""
+def _llmapi_statistics(client: DHiSparseClient, ids: list[int]) -> dict[str, float]:
+    """The `llmapi` model's per-response statistics of `dhisparse` for a greedy request of `ids`: its last response."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    values = {"input_ids": np.array([ids], dtype=np.int32), "request_output_len": np.array([[MAX_TOKENS]], np.int32),
+              "return_perf_metrics": np.array([[True]]), "streaming": np.array([[True]])}
+    tensors = []
+    for name, value in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    last = list(client.stream_results("dhisparse", tensors))[-1]
+    return {name: last[name][0][0].item() for name in ("acceptance_rate", "total_accepted_draft_tokens",
+                                                       "total_draft_tokens")}
+
+
+def test_speculative_usage_and_statistics_then_dead_engine_is_503(speculative_engine, tmp_path):
+    """With a drafter: greedy text still equals the engine's without one; usage carries the drafts (accepted +
+    rejected = proposed, accepted > 0), and so do the `llmapi` statistics of the `dhisparse` model
+    (total_accepted_draft_tokens, total_draft_tokens, acceptance_rate = their ratio), each equal to what the engine
+    counted for that request. An engine that stops after a fault it cannot recover from: the request whose step failed
+    gets a 500 naming the fault, every request after it a 503 (the official client raises InternalServerError for
+    both) until dhisparse-serve, seeing the engine's model unloaded, stops and exits with code 3."""
+    from dhisparse import LLM
+    from dhisparse.serving.tokenization import load_tokenizer
     from dhisparse_client.serve_process import ServeProcess
 
-    serve = ServeProcess(speculative_engine, {"kv_policy": KV_POLICY, "pool_bytes": 4 * POOL_BYTES, "page_rows": 16,
+    tokenizer = load_tokenizer(speculative_engine)
+    offline_llm = LLM(speculative_engine, kv_policy="dense")  # no drafter: the tokens speculation must keep
+    serve = ServeProcess(speculative_engine, {"kv_policy": KV_POLICY, "pool_bytes": 1 << 22, "page_rows": 16,
                                               "speculative": "dflash2", "num_draft_tokens": 3,
                                               "fault_injection": "break_invariants@40"},
                          log_path=tmp_path / "server.log",
@@ -370,15 +389,24 @@ def test_speculative_usage_then_dead_engine_is_503(speculative_engine, offline_l
         reply = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
         assert reply.choices[0].text == _text(tokenizer, reference.token_ids)  # speculation changes no token
         details = reply.usage.completion_tokens_details
-        metrics = settle(DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url))
-        metrics = DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url).metrics()
+        client = DHiSparseClient(endpoints.grpc_url, endpoints.http_url, endpoints.metrics_url)
+        settle(client)
+        metrics = client.metrics()
         proposed = details.accepted_prediction_tokens + details.rejected_prediction_tokens
         assert proposed > 0 and proposed == metrics["draft_tokens_proposed"]  # this request's, as the engine counts
-        assert details.accepted_prediction_tokens == metrics["draft_tokens_accepted"]
-        with pytest.raises(openai.BadRequestError, match="no chat template"):  # the tiny engine has none
-            api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
-        with pytest.raises(openai.InternalServerError) as caught:
-            api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0)
+        assert 0 < details.accepted_prediction_tokens == metrics["draft_tokens_accepted"]
+
+        statistics = _llmapi_statistics(client, tokenizer.encode(PROMPTS[1]).ids)
+        settle(client)
+        after = client.metrics()
+        accepted, drafted = statistics["total_accepted_draft_tokens"], statistics["total_draft_tokens"]
+        assert (accepted, drafted) == (after["draft_tokens_accepted"] - metrics["draft_tokens_accepted"],
+                                       after["draft_tokens_proposed"] - metrics["draft_tokens_proposed"])
+        assert 0 < accepted <= drafted and statistics["acceptance_rate"] == pytest.approx(accepted / drafted)
+
+        with pytest.raises(openai.InternalServerError) as caught:  # min_tokens: no EOS before the fault's step
+            api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=200, temperature=0,
+                                   extra_body={"min_tokens": 200})
         assert caught.value.status_code == 500 and "injected fault at break_invariants" in caught.value.message
         statuses = []
         for _ in range(20):  # until dhisparse-serve has stopped (it polls the model's readiness every 0.5 s)
