@@ -11,7 +11,10 @@ every response) and then reads each result with strict expectations of the shape
   told apart by ``batch_index``, with ``-n`` the samples by ``sequence_index``;
 - ``output_log_probs`` printed with its shape; every perf metric read as ``[0][0]``.
 
-`run_like_end_to_end_client` below does the same; the tests compare what it assembles with the offline engine.
+`run_like_end_to_end_client` below does the same; the tests compare what it assembles with the offline engine. The
+text test runs against the `dhisparse_bls` model too, which must return the ensemble's shapes. The `dhisparse`
+model's perf metrics and `llmapi` statistics are checked where they are not zero: a prompt sent twice has its pages
+reused from the prefix cache the second time.
 """
 
 from __future__ import annotations
@@ -60,9 +63,10 @@ def prepare_inputs(prompt: str, streaming: bool, temperature: float = 0.0, stop_
 
 def run_like_end_to_end_client(url: str, prompts: list[str], streaming: bool, batch_inputs: bool = False,
                                num_return_sequences: int | None = None, return_log_probs: bool = False,
-                               return_perf_metrics: bool = False, **options) -> tuple[list[str], list[dict]]:
-    """`run_inference` of the client: returns the texts it assembles (batch row by row, then sample by sample) and,
-    per response, what it reads besides the text (log-prob shapes, perf metrics)."""
+                               return_perf_metrics: bool = False, model: str = "ensemble",
+                               **options) -> tuple[list[str], list[dict]]:
+    """`run_inference` of the client (its `--model-name` is `model`): returns the texts it assembles (batch row by
+    row, then sample by sample) and, per response, what it reads besides the text (log-prob shapes, perf metrics)."""
     rows = [prepare_inputs(p, streaming, num_return_sequences=num_return_sequences,
                            return_log_probs=return_log_probs, return_perf_metrics=return_perf_metrics, **options)
             for p in prompts]
@@ -96,7 +100,7 @@ def run_like_end_to_end_client(url: str, prompts: list[str], streaming: bool, ba
             tensor = grpcclient.InferInput(name, value.shape, np_to_triton_dtype(value.dtype))
             tensor.set_data_from_numpy(value)
             tensors.append(tensor)
-        client.async_stream_infer("ensemble", tensors, outputs=outputs, request_id=uuid.uuid4().hex)
+        client.async_stream_infer(model, tensors, outputs=outputs, request_id=uuid.uuid4().hex)
         client.stop_stream()  # waits for the server to close the stream
         generations = num_return_sequences or 1
         batch_output_text = [[""] * generations for _ in range(tensors[0].shape()[0])]
@@ -138,10 +142,11 @@ def greedy(offline_llm, tokenizer) -> dict[str, tuple[list[int], list[float], st
     return out
 
 
+@pytest.mark.parametrize("model", ["ensemble", "dhisparse_bls"])
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("batch_inputs", [False, True])
-def test_texts_as_the_client_assembles_them(served, greedy, streaming, batch_inputs):
-    texts, _ = run_like_end_to_end_client(served.grpc_url, PROMPTS, streaming, batch_inputs)
+def test_texts_as_the_client_assembles_them(served, greedy, streaming, batch_inputs, model):
+    texts, _ = run_like_end_to_end_client(served.grpc_url, PROMPTS, streaming, batch_inputs, model=model)
     # the client's --check-outputs: not streaming (and the prompt not excluded), the prompt comes first
     assert texts == [(p if not streaming else "") + greedy[p][2] for p in PROMPTS]
 
@@ -228,3 +233,36 @@ def test_llm_model_reports_the_llmapi_statistics_and_finish_reason(served, greed
         tensors.append(tensor)
     (response,) = served.client().stream_results("ensemble", tensors)
     assert response["finish_reason"][0][0] == b"length" and response["kv_cache_missed_block"][0][0] == pages
+
+
+def test_a_prompt_sent_twice_reuses_its_pages_and_says_so(served):
+    """The same long prompt twice to `dhisparse` with return_perf_metrics: the first finds nothing cached (every
+    block new, hit rate 0); the second reuses full pages of the first's (kv_cache_reused_blocks > 0, and the same
+    count as the `llmapi` model's kv_cache_reused_block), allocates only the rest (kv_cache_alloc_new_blocks = total -
+    reused), misses the prompt's other pages, and reports kv_cache_hit_rate = reused / (reused + missed)."""
+    page_rows = served.overrides["page_rows"]
+    ids = np.random.default_rng(uuid.uuid4().int % (1 << 32)).integers(1, 300, 6 * page_rows + 5).tolist()  # unseen
+    values = {"input_ids": np.array([ids], dtype=np.int32), "input_lengths": np.array([[len(ids)]], dtype=np.int32),
+              "request_output_len": np.array([[4]], dtype=np.int32), "return_perf_metrics": np.array([[True]])}
+    tensors = []
+    for name, value in values.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    names = ("kv_cache_reused_blocks", "kv_cache_alloc_new_blocks", "kv_cache_alloc_total_blocks",
+             "kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_hit_rate")
+    runs = []
+    for _ in range(2):
+        (response,) = served.client().stream_results("dhisparse", tensors)  # not streaming: one response
+        runs.append({name: response[name][0][0].item() for name in names})
+    first, second = runs
+    prompt_pages = -(-len(ids) // page_rows)
+    assert first["kv_cache_reused_blocks"] == first["kv_cache_reused_block"] == 0, first
+    assert first["kv_cache_alloc_new_blocks"] == first["kv_cache_alloc_total_blocks"] >= prompt_pages, first
+    assert first["kv_cache_missed_block"] == prompt_pages and first["kv_cache_hit_rate"] == 0.0, first
+    reused = second["kv_cache_reused_blocks"]
+    assert 0 < reused == second["kv_cache_reused_block"] < prompt_pages, second
+    assert second["kv_cache_alloc_new_blocks"] == second["kv_cache_alloc_total_blocks"] - reused, second
+    assert second["kv_cache_alloc_total_blocks"] == first["kv_cache_alloc_total_blocks"], runs
+    assert second["kv_cache_missed_block"] == prompt_pages - reused, second
+    assert second["kv_cache_hit_rate"] == pytest.approx(reused / prompt_pages) and second["kv_cache_hit_rate"] > 0
