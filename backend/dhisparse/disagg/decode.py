@@ -28,20 +28,19 @@ from typing import Any
 from dhisparse.disagg.imports import NixlImports
 from dhisparse.disagg.nixl_transfer import NixlImporter, PendingRead
 from dhisparse.disagg.params import ContextPhaseParams
-from dhisparse.disagg.ranks import ParallelDecodeEngine
+from dhisparse.disagg.ranks import GenerationFront, ParallelDecodeEngine
 from dhisparse.disagg.trust import LayoutTemplate, layout_template
 from dhisparse.engine.config import EngineConfig
 from dhisparse.engine.executor import Model
 from dhisparse.engine.llm_engine import LLMEngine
 from dhisparse.engine.loading import load_engine_config, load_engine_parts
 from dhisparse.engine.request import Request, RequestUpdate
-from dhisparse.errors import InvalidRequestError
 from dhisparse.kv.store import HostRowsTarget, KVStore
 from dhisparse.sampling import SamplingParams
 from dhisparse.spec.speculator import Speculator
 
 
-class DecodeEngine:
+class DecodeEngine(GenerationFront):
     """Decode engine for imported requests (see the module docstring): the co-located :class:`LLMEngine` with
     :class:`NixlImports` as its prompt source."""
 
@@ -56,16 +55,8 @@ class DecodeEngine:
 
     # The engine's public surface, unchanged.
     @property
-    def requests(self) -> dict[str, Request]:
-        return self.engine.requests
-
-    @property
     def kv(self) -> KVStore:
         return self.engine.kv
-
-    @property
-    def dead(self) -> str | None:
-        return self.engine.dead
 
     @property
     def errors(self) -> dict[str, str]:
@@ -75,33 +66,13 @@ class DecodeEngine:
     def transferring(self) -> dict[str, tuple[Request, PendingRead, int, HostRowsTarget | None]]:
         return self.imports.transferring
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.engine.validate(prompt_token_ids, params)
-
     def step(self) -> list[RequestUpdate]:
         updates = self.engine.step()
         if not updates and not self.engine.scheduler.running and self.imports.transferring:
             time.sleep(0.0002)  # only READs in flight: do not spin the step loop at full speed
         return updates
 
-    def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
-
-    def poll_idle(self) -> None:
-        self.engine.poll_idle()
-
-    def stats(self) -> dict[str, float]:
-        return self.engine.stats()
-
-    def abort_request(self, request_id: str, reason: str = "abort") -> bool:
-        return self.engine.abort_request(request_id, reason)
-
     # ------------------------------------------------------------------------------------------- requests
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-                    ) -> str:
-        raise InvalidRequestError("the generation engine serves only imported requests (generation_only with "
-                                  "context_phase_params); use add_imported_request")
-
     def add_imported_request(self, prompt_token_ids: list[int], params: SamplingParams, context: ContextPhaseParams,
                              request_id: str | None = None) -> str:
         """Queue a request whose context phase ran elsewhere (its params checked first: ``trust.check_context``);

@@ -77,20 +77,12 @@ class NixlRankImports:
         imports.queue(engine, prompt, params, imported, request_id)
 
 
-class ParallelDecodeEngine:
-    """The generation engine over ranks (module docstring), with :class:`~dhisparse.disagg.decode.DecodeEngine`'s
-    surface. ``importer``: its name and timeout name the ranks' agents and bound their READs; it is closed with the
-    engine (the ranks READ with their own agents)."""
+class GenerationFront:
+    """What both generation engines (this module's and :class:`~dhisparse.disagg.decode.DecodeEngine`) forward
+    unchanged to the engine they wrap (``engine``): requests, the dead flag, validation, progress, statistics and
+    aborts; a request without imported history is refused."""
 
-    def __init__(self, engine_dir: str | Path, importer: NixlImporter, **runtime_overrides: Any) -> None:
-        config = load_engine_config(engine_dir, **runtime_overrides)
-        self.importer = importer
-        imports = NixlRankImports(importer.name, importer.timeout_s, ParallelShape.of(config))
-        self.engine = ParallelEngine(engine_dir, config, dict(runtime_overrides), imports=imports)
-        template = self.engine.imports_description
-        assert isinstance(template, LayoutTemplate), template
-        self.layout_template: LayoutTemplate = template
-        self.errors: dict[str, str] = {}  # the ranks' messages travel in the updates (RequestUpdate.error)
+    engine: Any  # LLMEngine or ParallelEngine
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -102,12 +94,6 @@ class ParallelDecodeEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)
-
-    def step(self) -> list[RequestUpdate]:
-        updates = self.engine.step()
-        if not updates:
-            time.sleep(0.0002)  # nothing decoded: only READs in flight, do not spin the step loop at full speed
-        return updates
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
@@ -125,6 +111,29 @@ class ParallelDecodeEngine:
                     ) -> str:
         raise InvalidRequestError("the generation engine serves only imported requests (generation_only with "
                                   "context_phase_params); use add_imported_request")
+
+
+class ParallelDecodeEngine(GenerationFront):
+    """The generation engine over ranks (module docstring), with :class:`~dhisparse.disagg.decode.DecodeEngine`'s
+    surface. ``importer``: its name and timeout name the ranks' agents and bound their READs; it is closed with the
+    engine (the ranks READ with their own agents)."""
+
+    def __init__(self, engine_dir: str | Path, importer: NixlImporter, **runtime_overrides: Any) -> None:
+        config = load_engine_config(engine_dir, **runtime_overrides)
+        self.importer = importer
+        imports = NixlRankImports(importer.name, importer.timeout_s, ParallelShape.of(config))
+        self.engine = ParallelEngine(engine_dir, config, dict(runtime_overrides), imports=imports)
+        template = self.engine.imports_description
+        assert isinstance(template, LayoutTemplate), template
+        self.layout_template: LayoutTemplate = template
+        self.errors: dict[str, str] = {}  # the ranks' messages travel in the updates (RequestUpdate.error)
+
+
+    def step(self) -> list[RequestUpdate]:
+        updates = self.engine.step()
+        if not updates:
+            time.sleep(0.0002)  # nothing decoded: only READs in flight, do not spin the step loop at full speed
+        return updates
 
     def add_imported_request(self, prompt_token_ids: list[int], params: SamplingParams, context: ContextPhaseParams,
                              request_id: str | None = None) -> str:
