@@ -200,7 +200,9 @@ def write_measured(args: argparse.Namespace, hw: HardwareSpec, model: ModelSpec,
     write_csv(rows, args.out / "plan_measured.csv")
     claims = measured_claims(measured, hw, model, grid.speculation)
     lines = [f"# dhisparse-plan --measured\n\nGPU check {measured.source} (commit {measured.commit}); host link "
-             f"{hw_m.host_link_bytes_per_s * 1e-9:.3g} GB/s (modelled {hw.host_link_bytes_per_s * 1e-9:.3g}).\n",
+             f"{hw_m.host_link_bytes_per_s * 1e-9:.3g} GB/s (modelled {hw.host_link_bytes_per_s * 1e-9:.3g}"
+             + (f"; measured: {measured.gather_note}" if measured.gather_note else "; no gather rate measured")
+             + ").\n",
              "| claim | measured |", "| --- | --- |"] + [f"| {k} | {v:.3g} |" for k, v in claims.items()]
     (args.out / "plan_measured.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
