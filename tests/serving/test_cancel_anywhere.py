@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 from conftest import LONG
-from idle import IDLE, settle, wait_idle
+from idle import IDLE, settle
 from test_cancellation import _wait_for
 
 FILLERS = 12
@@ -108,8 +108,7 @@ def test_a_waiting_non_streaming_request_is_cancelled(served, prompt_runs_long, 
     # final response before `stop_stream` dropped the call, so the client-side count is only a lower bound; the
     # engine's counters are the truth (finished = ran to the end + aborted).
     seen_ending = sum(_ended_on_its_own(responses) for _, responses in fillers)
-    assert wait_idle(client, timeout_s=60) == IDLE
-    time.sleep(0.3)  # one more metrics refresh: cumulative counters current
+    assert settle(client, timeout_s=60) == IDLE  # idle, then one more refresh: counters current
     after = client.metrics()
     aborted = after["requests_aborted"] - before.get("requests_aborted", 0.0)
     cancelled = after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0)

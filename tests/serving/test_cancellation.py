@@ -6,7 +6,7 @@ import time
 
 import pytest
 from conftest import LONG, PROMPT
-from idle import IDLE, occupancy, settle, wait_idle
+from idle import IDLE, occupancy, settle
 
 from dhisparse_client import GenerationOptions
 
@@ -34,7 +34,7 @@ def test_cancelled_stream_releases_its_memory(served, prompt_runs_long, model):
     assert holding["kv_required_bytes"] > 0 and holding["kv_host_pages_used"] > 0  # every tier in use
     stream.close()  # cancels the request on the server
 
-    assert wait_idle(client) == IDLE
+    assert settle(client, timeout_s=60) == IDLE
     final = client.metrics()
     assert final["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
     assert final["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0) == 1.0

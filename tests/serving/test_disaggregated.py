@@ -172,7 +172,7 @@ def test_cancelled_orchestrator_stream_frees_the_generation_side(disaggregated, 
     import time
 
     from conftest import LONG
-    from idle import IDLE, settle, wait_idle
+    from idle import IDLE, settle
 
     client = disaggregated.client()
     settle(client)
@@ -186,7 +186,7 @@ def test_cancelled_orchestrator_stream_frees_the_generation_side(disaggregated, 
         assert time.monotonic() < deadline, "the generation request never ran"
         time.sleep(0.05)
     stream.close()  # cancels the orchestrator's request; it forwards the cancellation to `generation`
-    assert wait_idle(client) == IDLE
+    assert settle(client, timeout_s=60) == IDLE
     after = client.metrics()
     assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
     assert after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0) == 1.0
@@ -381,7 +381,7 @@ def test_openai_api_over_the_orchestrator(openai_api, expected):
 
 def test_openai_disconnect_frees_the_generation_side(openai_api, disaggregated, prompt_runs_long):
     from conftest import LONG, PROMPT
-    from idle import IDLE, settle, wait_idle
+    from idle import IDLE, settle
 
     client = disaggregated.client()
     settle(client)
@@ -394,7 +394,7 @@ def test_openai_disconnect_frees_the_generation_side(openai_api, disaggregated, 
         assert time.monotonic() < deadline, "the generation request never ran"
         time.sleep(0.05)
     stream.close()
-    assert wait_idle(client) == IDLE
+    assert settle(client, timeout_s=60) == IDLE
     after = client.metrics()
     assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
     assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 from conftest import LONG, PROMPT
-from idle import IDLE, settle, wait_idle
+from idle import IDLE, settle
 from test_cancellation import _wait_for
 
 from dhisparse_client import GenerationOptions
@@ -51,7 +51,7 @@ def test_killed_client_process_releases_its_request(served, prompt_runs_long, mo
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    assert wait_idle(client, timeout_s=60) == IDLE
+    assert settle(client, timeout_s=60) == IDLE
     after = client.metrics()
     aborted = after.get("requests_aborted", 0.0) - before.get("requests_aborted", 0.0)
     generated = after.get("generated_tokens", 0.0) - before.get("generated_tokens", 0.0)

@@ -20,7 +20,7 @@ import numpy as np
 import openai
 import pytest
 from conftest import KV_POLICY, LONG, POOL_BYTES, PROMPT
-from idle import IDLE, occupancy, settle, wait_idle
+from idle import IDLE, occupancy, settle
 
 from dhisparse import SamplingParams
 from dhisparse.serving.tokenization import TokenBytes
@@ -324,7 +324,7 @@ def test_disconnected_client_frees_every_tier(server, api, triton, prompt_runs_l
         holding = _holding(triton)
         assert holding["kv_required_bytes"] > 0 and holding["kv_host_pages_used"] > 0  # every tier in use
         stream.close()  # drops the connection
-    assert wait_idle(triton, timeout_s=60) == IDLE
+    assert settle(triton, timeout_s=60) == IDLE
     after = triton.metrics()
     assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
     assert after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0) == 1.0

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import POOL_BYTES, PROMPT, start_triton
-from idle import IDLE, settle, wait_idle
+from idle import IDLE, settle
 
 from dhisparse_client import DHiSparseClient, GenerationError, GenerationOptions
 
@@ -73,7 +73,7 @@ def test_soak_with_faults_and_cancellations(faulty_server, offline_llm, tokenize
     assert errors, "no injected fault reached a client"
     assert all("injected fault" in e for e in errors), errors
     assert results.count("ok") > REQUESTS // 2
-    assert wait_idle(client, timeout_s=60) == IDLE  # zero leaked bytes, pages, requests
+    assert settle(client, timeout_s=60) == IDLE  # zero leaked bytes, pages, requests
     metrics = client.metrics()
     assert metrics["step_faults"] >= 2 and metrics["engine_alive"] == 1.0
     assert metrics["requests_failed"] >= len(errors)
