@@ -212,7 +212,7 @@ def fixes() -> tuple[Fix, ...]:
 
 
 NOT_SWITCHED = (
-    (4, "drafter shapes (DFlash2 ring 40 MiB, 2.34 GB weights; before: 3 MiB, 2 GB)",
+    (4, "drafter shapes (DFlash2 ring 48 MiB, 2.34 GB weights; before issue 28: 3 MiB, 2 GB)",
      "no switch: the drafter is DRAFTERS[...] (specs.py), not a field of the sweep's PlanGrid / run_grid; plumbing "
      "one through is not a small switch. Its memory effect per session: speculative_state.csv."),
     (7, "dense / attention parameters from GLM-5.3's config.json (before: 12B / 11B assumed)",
