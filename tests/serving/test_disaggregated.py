@@ -168,27 +168,40 @@ def test_multi_token_stop_sequence_ends_the_generation_phase(disaggregated, expe
     assert [int(t) for c in chunks for t in c.reshape(-1)] == want[: end + 1]  # the stop sequence is kept
 
 
-def test_cancelled_orchestrator_stream_frees_the_generation_side(disaggregated, prompt_runs_long):
-    import time
-
-    from conftest import LONG
+def _cancel_midway(client, start, attempts: int = 3) -> tuple[dict[str, float], dict[str, float]]:
+    """Start a long generation (``start()``: a stream of chunks with ``close()``), read three chunks, wait until
+    the generation side holds its memory, close the stream, wait for idle; the metrics before and after. On a loaded
+    machine the tiny model can finish its tokens before the cancellation travels client -> orchestrator ->
+    generation: such a request ran to its end (finished, not aborted), so the attempt says nothing and is repeated."""
     from idle import IDLE, settle
 
+    for _ in range(attempts):
+        settle(client)
+        before = client.metrics()
+        stream = start()
+        for _, _chunk in zip(range(3), stream, strict=False):
+            pass
+        deadline = time.monotonic() + 20
+        while client.metrics().get("kv_requests_running", 0.0) < 1.0:  # the generation side really holds memory
+            assert time.monotonic() < deadline, "the generation request never ran"
+            time.sleep(0.05)
+        stream.close()
+        assert settle(client, timeout_s=60) == IDLE
+        after = client.metrics()
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("requests_aborted", "requests_finished")}
+        if delta["requests_aborted"] == 1.0:
+            return before, after
+        assert delta == {"requests_aborted": 0.0, "requests_finished": 1.0}, delta  # it ran to its end
+    raise AssertionError(f"the cancellation never reached the generation side in {attempts} attempts")
+
+
+def test_cancelled_orchestrator_stream_frees_the_generation_side(disaggregated, prompt_runs_long):
+    from conftest import LONG
+
     client = disaggregated.client()
-    settle(client)
-    before = client.metrics()
-    stream = client.stream_token_ids(prompt_runs_long, GenerationOptions(max_tokens=LONG),
-                                     model="disaggregated_serving_bls")
-    for _ in range(3):
-        next(stream)
-    deadline = time.monotonic() + 20
-    while client.metrics().get("kv_requests_running", 0.0) < 1.0:  # the generation side really holds memory
-        assert time.monotonic() < deadline, "the generation request never ran"
-        time.sleep(0.05)
-    stream.close()  # cancels the orchestrator's request; it forwards the cancellation to `generation`
-    assert settle(client, timeout_s=60) == IDLE
-    after = client.metrics()
-    assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
+    before, after = _cancel_midway(client, lambda: client.stream_token_ids(
+        prompt_runs_long, GenerationOptions(max_tokens=LONG), model="disaggregated_serving_bls"))
+    # Closing the stream cancels the orchestrator's request; it forwards the cancellation to `generation`.
     assert after["serving_cancelled_requests"] - before.get("serving_cancelled_requests", 0.0) == 1.0
     assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG
 
@@ -381,20 +394,8 @@ def test_openai_api_over_the_orchestrator(openai_api, expected):
 
 def test_openai_disconnect_frees_the_generation_side(openai_api, disaggregated, prompt_runs_long):
     from conftest import LONG, PROMPT
-    from idle import IDLE, settle
 
     client = disaggregated.client()
-    settle(client)
-    before = client.metrics()
-    stream = openai_api.completions.create(model="tiny", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True)
-    for _, _chunk in zip(range(3), stream, strict=False):
-        pass
-    deadline = time.monotonic() + 20
-    while client.metrics().get("kv_requests_running", 0.0) < 1.0:  # the generation side really holds memory
-        assert time.monotonic() < deadline, "the generation request never ran"
-        time.sleep(0.05)
-    stream.close()
-    assert settle(client, timeout_s=60) == IDLE
-    after = client.metrics()
-    assert after["requests_aborted"] - before.get("requests_aborted", 0.0) == 1.0
+    before, after = _cancel_midway(client, lambda: openai_api.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True))
     assert after["generated_tokens"] - before.get("generated_tokens", 0.0) < LONG
