@@ -133,33 +133,41 @@ def test_oversized_requests_are_refused_at_once_naming_the_limit(served):
     assert max(small.values()) < 5 * alone, small
     assert all(refusals[n] < 10 * floor[n] for n in floor), (refusals, floor)
 
-    # The attacker runs in its own process at the lowest CPU priority: on this 2-core machine its client-side work
-    # (building and sending 32 MB messages) would otherwise compete with the server for the victim's CPU, which a
-    # remote attacker's does not. What the server does for each attack runs at normal priority.
-    attacker = subprocess.Popen([sys.executable, "-c", ATTACKER, served.grpc_url], stdout=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: os.nice(19), env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                    [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
-    rounds: list[str] = []
-    try:
-        assert attacker.stdout is not None and attacker.stdout.readline().strip() == "attacking"
-        reader = threading.Thread(target=lambda: rounds.extend(line.strip() for line in attacker.stdout),
-                                  daemon=True)
-        reader.start()
-        samples = []
-        deadline = time.monotonic() + 300  # a hang guard
-        while (len(samples) < 3 * REPEATS or not rounds) and time.monotonic() < deadline:
-            samples.append(_victim_latency(served))  # until every attack kind ran at least once meanwhile
-            time.sleep(0.1)
-        during = statistics.median(samples)
-    finally:
-        attacker.terminate()
-        attacker.wait(timeout=120)
+    samples, rounds = _latency_under_attack(ATTACKER, served.grpc_url, lambda: _victim_latency(served))
+    during = statistics.median(samples)
     sent = len(prepared) * len(rounds)
     ratio = during / alone
     print(f"another client's latency: alone {alone * 1000:.0f} ms, during the attacks {during * 1000:.0f} ms "
           f"(ratio {ratio:.2f}, median of {len(samples)}; {sent} attacks sent meanwhile)")
     assert rounds, "the attacks never completed a round"
     assert ratio < RATIO_BOUND, (alone, during)
+
+
+def _latency_under_attack(script: str, target: str, sample) -> tuple[list[float], list[str]]:
+    """Another client's latencies (``sample()``) while ``script`` attacks ``target`` from its own process, until
+    ``3 * REPEATS`` samples and at least one whole round of attacks; returns the samples and the rounds' lines.
+
+    The attacker runs at the lowest CPU priority: on this 2-core machine its client-side work (building and sending
+    32 MB messages) would otherwise compete with the server for the victim's CPU, which a remote attacker's does not.
+    What the server does for each attack runs at normal priority."""
+    attacker = subprocess.Popen([sys.executable, "-c", script, target], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: os.nice(19), env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
+    rounds: list[str] = []
+    samples: list[float] = []
+    try:
+        assert attacker.stdout is not None and attacker.stdout.readline().strip() == "attacking"
+        reader = threading.Thread(target=lambda: rounds.extend(line.strip() for line in attacker.stdout),
+                                  daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 300  # a hang guard
+        while (len(samples) < 3 * REPEATS or not rounds) and time.monotonic() < deadline:
+            samples.append(sample())  # until every attack kind ran at least once meanwhile
+            time.sleep(0.1)
+    finally:
+        attacker.terminate()
+        attacker.wait(timeout=120)
+    return samples, rounds
 
 
 ATTACKER = """
@@ -292,24 +300,8 @@ def test_oversized_openai_requests_are_refused_at_once_naming_the_limit(openai_f
         assert max(small.values()) < 5 * alone, small
         assert max(refusals.values()) < 10 * alone, refusals
 
-        attacker = subprocess.Popen([sys.executable, "-c", OPENAI_ATTACKER, url], stdout=subprocess.PIPE, text=True,
-                                    preexec_fn=lambda: os.nice(19), env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])})
-        rounds: list[str] = []
-        try:
-            assert attacker.stdout is not None and attacker.stdout.readline().strip() == "attacking"
-            reader = threading.Thread(target=lambda: rounds.extend(line.strip() for line in attacker.stdout),
-                                      daemon=True)
-            reader.start()
-            samples = []
-            deadline = time.monotonic() + 300  # a hang guard
-            while (len(samples) < 3 * REPEATS or not rounds) and time.monotonic() < deadline:
-                samples.append(_openai_victim_latency(client, url))
-                time.sleep(0.1)
-            during = statistics.median(samples)
-        finally:
-            attacker.terminate()
-            attacker.wait(timeout=120)
+        samples, rounds = _latency_under_attack(OPENAI_ATTACKER, url, lambda: _openai_victim_latency(client, url))
+        during = statistics.median(samples)
     ratio = during / alone
     print(f"another OpenAI client's latency: alone {alone * 1000:.0f} ms, during the attacks {during * 1000:.0f} ms "
           f"(ratio {ratio:.2f}, median of {len(samples)}; {len(prepared) * len(rounds)} attacks sent meanwhile)")
