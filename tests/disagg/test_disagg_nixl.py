@@ -8,10 +8,10 @@ so tight that imports wait for memory; a killed prefill process ends its request
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
+from context_regions import wait_regions_released
 from tiny_models import build_spec_engine, random_prompts
 
 from dhisparse import LLM, SamplingParams
@@ -72,15 +72,6 @@ def _run(engine: DecodeEngine, ids: list[str]) -> dict[str, list[int]]:
     return {i: list(engine.requests[i].output_token_ids) for i in ids}
 
 
-def _wait_released(worker: ContextWorker) -> dict[str, float]:
-    for _ in range(1000):  # the worker frees a region when the READ's notification arrives
-        stats = worker.stats()
-        if stats["regions_held"] == 0:
-            return stats
-        time.sleep(0.01)
-    return worker.stats()
-
-
 @pytest.mark.parametrize("speculative", [None, "dflash2", "dspark"])
 def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, importer, worker, speculative
                                                ) -> None:
@@ -109,7 +100,7 @@ def test_disaggregated_greedy_equals_colocated(engine_dir, prompts, colocated, i
             engine.kv.check_invariants()
         if policy == "adaptive":
             assert stats["kv_rows_direct"] > 0
-        assert _wait_released(worker)["regions_held"] == 0
+        assert wait_regions_released(worker)["regions_held"] == 0
 
 
 def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, prompts, colocated, importer, worker
@@ -134,7 +125,7 @@ def test_killed_prefill_process_gives_an_error_and_leaks_nothing(engine_dir, pro
         assert stats["transfers_failed"] == 1
         assert stats["kv_required_bytes"] == 0 and stats["kv_optional_bytes"] == stats["kv_prefix_device_bytes"]
         assert stats["kv_host_pages_used"] == stats["kv_prefix_host_pages"]  # only the prefix cache's pages stay
-        assert _wait_released(healthy)["regions_held"] == 0
+        assert wait_regions_released(healthy)["regions_held"] == 0
     finally:
         doomed.close()
 

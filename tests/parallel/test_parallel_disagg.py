@@ -11,10 +11,10 @@ context process that dies before the READ fails its request only (under TP on ev
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
+from context_regions import wait_regions_released
 from parallel_engines import tight_pool
 from tiny_models import random_prompts
 
@@ -59,15 +59,6 @@ def _run(engine: ParallelDecodeEngine, worker: ContextWorker, prompts: list[list
         engine.step()
     assert all(engine.requests[i].finish_reason == "length" for i in ids), [engine.requests[i].error for i in ids]
     return [engine.requests.pop(i).output_token_ids for i in ids]
-
-
-def _regions_released(worker: ContextWorker) -> dict[str, float]:
-    for _ in range(1000):  # the worker frees a region when every reader's notification arrived
-        stats = worker.stats()
-        if stats["regions_held"] == 0:
-            return stats
-        time.sleep(0.01)
-    return worker.stats()
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -124,7 +115,7 @@ def test_generation_ranks_read_their_histories_and_give_the_colocated_tokens(eng
         stats = engine.stats()
     finally:
         engine.close()
-    released = _regions_released(worker)
+    released = wait_regions_released(worker)
     n = 2 * len(prompts) + 1
     assert stats["transfers"] == n  # DP: the ranks' sum; TP: rank 0's (every rank's are equal)
     if shape == "dp2":  # each rank READ its own requests' histories, and both served some
